@@ -1,0 +1,99 @@
+"""Checkpoints that are atomic, portable and safe to load.
+
+Saved: the plain model's state_dict (no `module.`/`_orig_mod.` prefixes, so it loads
+into the tutorial's model as it is), optimizer, scheduler, progress, RNG state and the
+config — plain tensors and Python values only, so `torch.load(weights_only=True)`
+reads it and a checkpoint from a stranger cannot run code. A save writes a temp file,
+fsyncs it and renames it over the old one, so a crash mid-save leaves the previous
+checkpoint whole.
+"""
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UserError
+from .model import ConvNet
+
+FORMAT = "mnist-ddp/1"
+_PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile
+
+
+def plain_module(model: nn.Module) -> nn.Module:
+    """The ConvNet inside DDP and/or torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys without the wrapper prefixes, so any ConvNet checkpoint loads into a plain ConvNet."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(_PREFIXES):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
+def save(path: Path, payload: dict[str, Any]) -> None:
+    """Write `payload` to `path` atomically: temp file, fsync, rename, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read a checkpoint safely. A bare state_dict (the tutorial's) comes back as {"model": it}."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file.")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "Weights only load failed" in first or "Unsupported global" in str(e):
+            raise UserError(f"{path}: refused, it holds Python objects other than tensors and plain values "
+                            f"(loading it could run code); only weights-only checkpoints are accepted.") from e
+        raise UserError(f"{path}: not a PyTorch checkpoint ({first or 'unreadable pickle'}).") from e
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one ({str(e).splitlines()[0]}).") from e
+    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+        return obj
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return {"model": obj}
+    raise UserError(f"{path}: holds a {type(obj).__name__}, not a model checkpoint.")
+
+
+def load_model(path: Path) -> tuple[ConvNet, dict[str, Any]]:
+    """A ConvNet with the weights of any ConvNet checkpoint (ours, DDP-saved, or the tutorial's)."""
+    ckpt = load(path)
+    model = ConvNet()
+    restore_model(model, ckpt["model"], path)
+    return model, ckpt
+
+
+def restore_model(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Load `state` into `model`, or say clearly that it belongs to some other network."""
+    try:
+        plain_module(model).load_state_dict(clean_state_dict(state))
+    except RuntimeError as e:
+        detail = str(e).splitlines()[0]
+        raise UserError(f"{path}: not a checkpoint of this ConvNet ({detail}).") from e

@@ -1,0 +1,174 @@
+"""The `mnist-ddp` command line: strings in, one config dataclass out, an exit code back.
+
+`main(argv)` never raises for bad input: it prints one sentence and returns 2, so
+tests (and shells) can rely on the exit code. Exit codes: 0 done, 1 a worker failed,
+2 bad input, 130 interrupted.
+"""
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from .config import (
+    AMP,
+    BACKENDS,
+    DEVICES,
+    OPTIMIZERS,
+    RECIPES,
+    SCHEDULERS,
+    DataConfig,
+    EvalConfig,
+    PredictConfig,
+    TrainConfig,
+)
+from .datasets import DATASETS
+from .errors import UserError
+
+COMMANDS = ("train", "evaluate", "predict", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not a usage dump) and still exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see `{self.prog} --help`).")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not a port number.") from None
+
+
+def _data_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=default, choices=DATASETS,
+                   help=f"auto = MNIST if found or downloadable, else synthetic (default: {default})")
+    g.add_argument("--data-dir", help="folder holding the four IDX files (plain or .gz; torchvision's "
+                   "MNIST/raw layout works too); searched first, and downloads go there")
+    g.add_argument("--no-download", dest="download", action="store_false", help="never download")
+    g.add_argument("--mirror", dest="mirrors", action="append", default=[], metavar="URL",
+                   help="download from this base URL instead of the standard mirrors (repeatable)")
+    g.add_argument("--download-timeout", type=float, default=60.0, help="seconds per request (default: 60)")
+    g.add_argument("--train-samples", type=int, help="use only the first N training images")
+    g.add_argument("--test-samples", type=int, help="use only the first N test images")
+
+
+def _data_config(a: argparse.Namespace) -> DataConfig:
+    return DataConfig(a.dataset, a.data_dir, a.download, tuple(a.mirrors), a.download_timeout,
+                      getattr(a, "train_samples", None), a.test_samples)
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train the ConvNet (one process, spawned processes, torchrun or srun)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _data_args(p, "mnist")
+    g = p.add_argument_group("launch (the tutorial's flags; leave them out under torchrun or srun)")
+    g.add_argument("-n", "--nodes", type=int, default=1, help="number of nodes (machines)")
+    g.add_argument("-g", "--gpus", type=int, default=1,
+                   help="processes on this node: one per GPU, or CPU worker processes without GPUs")
+    g.add_argument("-nr", "--nr", dest="node_rank", type=int, default=0, help="this node's index, 0 to nodes-1")
+    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                   help="node 0's address (default: $MASTER_ADDR, else 127.0.0.1 on one node)")
+    g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+                   help="node 0's port (default: $MASTER_PORT, else a free port on one node)")
+    g.add_argument("--device", default="auto", choices=DEVICES, help="auto = cuda, else mps, else cpu")
+    g.add_argument("--backend", choices=BACKENDS, help="collective backend (default: nccl on CUDA, else gloo)")
+    g.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds to wait for a peer (rendezvous and collectives) before failing")
+    g = p.add_argument_group("recipe (unset knobs come from --recipe)")
+    g.add_argument("--recipe", default="default", choices=RECIPES,
+                   help="default: AdamW + one-cycle, ~99%% MNIST in 2 epochs; tutorial: SGD lr 1e-4, as the tutorial")
+    g.add_argument("--optimizer", choices=OPTIMIZERS)
+    g.add_argument("--lr", type=float, help="peak learning rate; not scaled with the world size (see README)")
+    g.add_argument("--momentum", type=float, help="SGD momentum, or AdamW's beta1")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--batch-size", type=int, help="per process; the global batch is this times the world size")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--scheduler", choices=SCHEDULERS, help="per-step learning-rate schedule")
+    g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="normalise pixels with MNIST's mean and std")
+    g.add_argument("--seed", type=int, default=0, help="initial weights and the per-epoch shuffles")
+    g.add_argument("--eval-batch-size", type=int, default=1000)
+    g = p.add_argument_group("compute")
+    g.add_argument("--amp", default="off", choices=AMP, help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA)")
+    g.add_argument("--channels-last", action="store_true", help="NHWC memory layout")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs (CUDA)")
+    g.add_argument("--deterministic", action="store_true", help="deterministic kernels only")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", default=None, help="run folder (default: runs/<date-time>)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from <out>/checkpoint.pt if there is one (start fresh if not)")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                   help="also checkpoint every STEPS optimizer steps within an epoch (0: epoch ends only)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mnist-ddp", description="Train the classic MNIST CNN with DistributedDataParallel.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _train_parser(sub)
+    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint")
+    e.add_argument("checkpoint")
+    _data_args(e, "auto")
+    e.add_argument("--device", default="auto", choices=DEVICES)
+    e.add_argument("--batch-size", type=int, default=1000)
+    pr = sub.add_parser("predict", help="classify 28x28 PNG images or the images of an IDX file")
+    pr.add_argument("checkpoint")
+    pr.add_argument("files", nargs="+", metavar="FILE", help="PNG or IDX (…-images-idx3-ubyte[.gz]) files")
+    pr.add_argument("--device", default="auto", choices=DEVICES)
+    pr.add_argument("--top", type=int, default=1, help="show the K most likely classes")
+    return p
+
+
+def _train_config(a: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
+        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout, recipe=a.recipe,
+        optimizer=a.optimizer, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
+        batch_size=a.batch_size, epochs=a.epochs, scheduler=a.scheduler, normalize=a.normalize,
+        label_smoothing=a.label_smoothing, seed=a.seed, eval_batch_size=a.eval_batch_size, amp=a.amp,
+        channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn, deterministic=a.deterministic,
+        out=a.out or time.strftime("runs/%Y%m%d-%H%M%S"), resume=a.resume, checkpoint_every=a.checkpoint_every,
+        progress=a.progress, plots=a.plots)
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["train", *argv]  # the tutorial's `script.py -n 1 -g 2 -nr 0` shape
+    a = _parser().parse_args(argv)
+    if a.command == "train":
+        from .launch import launch  # torch is imported only once the arguments are known good
+
+        return launch(_train_config(a))
+    from . import infer
+
+    if a.command == "evaluate":
+        return infer.run_evaluate(EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size))
+    return infer.run_predict(PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the process exit code."""
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"mnist-ddp: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("mnist-ddp: interrupted.", file=sys.stderr)
+        return 130
+
+
+def console() -> None:
+    """The `mnist-ddp` console script."""
+    sys.exit(main())

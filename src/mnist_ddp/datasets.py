@@ -1,0 +1,207 @@
+"""Where the four IDX files of a dataset come from, and the checks they must pass.
+
+Lookup order for `mnist` and `fashion-mnist`: `--data-dir`, then `./data` (our own
+`data/<name>/` layout and torchvision's `data/MNIST/raw`), then system folders
+(Debian's `dataset-fashion-mnist` installs into /usr/share/datasets), and last a
+download from the standard mirrors, MD5-checked (the same files torchvision uses).
+`synthetic` is generated in memory; `auto` means MNIST if it can be had, else synthetic.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import idx, synthetic
+from .download import DownloadError, fetch, file_lock
+from .errors import UserError
+
+SPLIT_FILES = {  # (split, part) -> the standard base file name
+    ("train", "images"): "train-images-idx3-ubyte",
+    ("train", "labels"): "train-labels-idx1-ubyte",
+    ("test", "images"): "t10k-images-idx3-ubyte",
+    ("test", "labels"): "t10k-labels-idx1-ubyte",
+}
+SYNTHETIC_SIZES = {"train": 60_000, "test": 10_000}
+SYNTHETIC_SEEDS = {"train": 20_240_601, "test": 20_240_602}  # fixed: the data, not the run
+
+
+class DataNotFound(UserError):
+    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A published IDX dataset: where to look for it and how to download it."""
+
+    name: str
+    torchvision_dir: str  # torchvision keeps it in <root>/<this>/raw
+    mirrors: tuple[str, ...]
+    md5: dict[str, str]  # .gz file name -> MD5 of the published file
+    classes: tuple[str, ...]
+
+
+SOURCES = {
+    "mnist": Source(
+        name="mnist",
+        torchvision_dir="MNIST",
+        mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
+        md5={
+            "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+            "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+            "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+        },
+        classes=tuple("0123456789"),
+    ),
+    "fashion-mnist": Source(
+        name="fashion-mnist",
+        torchvision_dir="FashionMNIST",
+        mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
+        md5={
+            "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
+        classes=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                 "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"),
+    ),
+}
+SYSTEM_DIRS = (Path("/usr/share/datasets"),)
+DATASETS = ("auto", "synthetic", *SOURCES)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split in memory: uint8 images (N, 28, 28) and int64 labels (N,)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    where: str  # a folder, "downloaded to …", or "generated": said once at start
+    classes: tuple[str, ...]
+    train: Split
+    test: Split
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What the user asked for; `mirrors` overrides the published ones (tests, proxies)."""
+
+    name: str = "auto"
+    data_dir: Path | None = None
+    download: bool = True
+    mirrors: tuple[str, ...] = ()
+    download_timeout: float = 60.0
+    train_samples: int | None = None  # first N of the split (all by default)
+    test_samples: int | None = None
+
+
+def candidate_dirs(source: Source, data_dir: Path | None) -> list[Path]:
+    """Folders searched, in order, for the four files."""
+    roots = ([data_dir] if data_dir else []) + [Path("data")]
+    dirs = []
+    for root in roots:
+        dirs += [root, root / source.name, root / source.torchvision_dir / "raw"]
+    return dirs + [d / source.name for d in SYSTEM_DIRS]
+
+
+def _find_files(folder: Path) -> dict[tuple[str, str], Path] | None:
+    """The four files in `folder`, each plain or .gz, or None if any is missing."""
+    found = {}
+    for key, base in SPLIT_FILES.items():
+        for name in (base, base + ".gz", base.replace("-idx", ".idx")):  # last: some mirrors' spelling
+            if (folder / name).is_file():
+                found[key] = folder / name
+                break
+        else:
+            return None
+    return found
+
+
+def _download(source: Source, folder: Path, mirrors: tuple[str, ...], timeout: float) -> dict[tuple[str, str], Path]:
+    """Download the four .gz files into `folder`; one process does it, the others wait on the lock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with file_lock(folder / ".download.lock"):
+        if files := _find_files(folder):  # another process finished while we waited
+            return files
+        for base in SPLIT_FILES.values():
+            name = base + ".gz"
+            errors = []
+            for mirror in mirrors or source.mirrors:
+                try:
+                    fetch(mirror.rstrip("/") + "/" + name, folder / name, source.md5[name], timeout)
+                    break
+                except DownloadError as e:
+                    errors.append(str(e))
+            else:
+                raise DownloadError("; ".join(errors))
+    files = _find_files(folder)
+    assert files is not None
+    return files
+
+
+def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | None) -> Split:
+    images = idx.read(files[split, "images"], idx.IMAGES_MAGIC)
+    labels = idx.read(files[split, "labels"], idx.LABELS_MAGIC)
+    if images.shape[1:] != (28, 28):
+        raise UserError(f"{files[split, 'images']}: images are {tuple(images.shape[1:])}, expected 28x28.")
+    if len(labels) != len(images):
+        raise UserError(f"{files[split, 'labels']}: {len(labels)} labels for {len(images)} images.")
+    if len(labels) and int(labels.max()) > 9:
+        raise UserError(f"{files[split, 'labels']}: label {int(labels.max())} is outside 0-9.")
+    return Split(images[:limit], labels[:limit].long())
+
+
+def _load_source(source: Source, req: DataRequest) -> Dataset:
+    dirs = candidate_dirs(source, req.data_dir)
+    for folder in dirs:
+        if files := _find_files(folder):
+            where = str(folder)
+            break
+    else:
+        if not req.download:
+            raise DataNotFound(_not_found(source, dirs, "downloads are off (--no-download)"))
+        target = req.data_dir or Path("data") / source.name
+        try:
+            files = _download(source, target, req.mirrors, req.download_timeout)
+        except (DownloadError, OSError) as e:
+            raise DataNotFound(_not_found(source, dirs, f"the download failed: {e}")) from e
+        where = f"{target} (downloaded)"
+    train = _read_split(files, "train", req.train_samples)
+    test = _read_split(files, "test", req.test_samples)
+    return Dataset(source.name, where, source.classes, train, test)
+
+
+def _not_found(source: Source, dirs: list[Path], why: str) -> str:
+    return (
+        f"{source.name} was not found in {', '.join(map(str, dirs))}, and {why}. "
+        f"Put the four IDX files ({', '.join(SPLIT_FILES.values())}, plain or .gz) in a folder "
+        f"and pass --data-dir FOLDER, or train on the built-in digits with --dataset synthetic."
+    )
+
+
+def _synthetic(req: DataRequest) -> Dataset:
+    splits = {
+        split: Split(*synthetic.generate(getattr(req, f"{split}_samples") or size, SYNTHETIC_SEEDS[split]))
+        for split, size in SYNTHETIC_SIZES.items()
+    }
+    return Dataset("synthetic", "generated", tuple("0123456789"), splits["train"], splits["test"])
+
+
+def load(req: DataRequest) -> Dataset:
+    """The dataset `req` names, fully in memory; UserError if it cannot be had."""
+    if req.name == "synthetic":
+        return _synthetic(req)
+    if req.name == "auto":
+        try:
+            return _load_source(SOURCES["mnist"], req)
+        except DataNotFound as e:  # a corrupt MNIST is still an error, never a silent fallback
+            fallback = _synthetic(req)
+            return Dataset(fallback.name, f"generated, because {e}", fallback.classes, fallback.train, fallback.test)
+    return _load_source(SOURCES[req.name], req)

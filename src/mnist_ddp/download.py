@@ -1,0 +1,57 @@
+"""Fetch a file over HTTP(S) so that a failure can never leave a bad file behind.
+
+Bytes go to a temporary file beside the target, are checked against the expected
+MD5, and only then renamed into place (rename is atomic on POSIX). A file lock
+lets many processes ask at once while only the first one downloads.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class DownloadError(Exception):
+    """A download that did not produce a verified file; the message says why."""
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `path` (created if missing) for the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def fetch(url: str, dest: Path, md5: str, timeout: float) -> None:
+    """Download `url` to `dest`, verifying `md5`; `dest` is untouched on any failure."""
+    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
+    digest = hashlib.md5()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+            expected_size = response.headers.get("Content-Length")
+            size = 0
+            while chunk := response.read(1 << 16):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if expected_size is not None and size != int(expected_size):
+            raise DownloadError(f"{url}: got {size} of {expected_size} bytes (connection cut short)")
+        if digest.hexdigest() != md5:
+            raise DownloadError(f"{url}: MD5 {digest.hexdigest()} does not match the expected {md5}")
+        os.replace(tmp, dest)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+        raise DownloadError(f"{url}: {getattr(e, 'reason', e)}") from e
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,69 @@
+"""`evaluate` and `predict`: use any ConvNet checkpoint, one process."""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint, datasets, idx, png
+from .batches import MEAN, STD, ShardedBatches
+from .config import EvalConfig, PredictConfig
+from .distributed import Dist, pick_device
+from .errors import UserError
+from .evaluation import evaluate
+
+
+def _normalizes(ckpt: dict) -> bool:
+    """Whether the checkpoint's model was trained on normalised pixels (the tutorial's was not)."""
+    return bool(ckpt.get("config", {}).get("normalize", False))
+
+
+def run_evaluate(cfg: EvalConfig) -> int:
+    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    device = pick_device(cfg.device, 0)
+    name = cfg.data.dataset
+    if name == "auto":  # the dataset the checkpoint was trained on, when it says
+        name = ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
+    data = datasets.load(datasets.DataRequest(
+        name, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download, cfg.data.mirrors,
+        cfg.data.download_timeout, train_samples=1, test_samples=cfg.data.test_samples))
+    batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
+                             shuffle=False, pad=False, normalize=_normalizes(ckpt))
+    result = evaluate(model.to(device), batches, Dist(0, 0, 1, 1, device))
+    print(f"test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on {data.name} "
+          f"({data.where}), test loss {result.loss:.4f}")
+    return 0
+
+
+def _images(path: Path) -> torch.Tensor:
+    """(N, 28, 28) uint8 images from a PNG (any size, resized; inverted if dark-on-light) or an IDX file."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file.")
+    if path.suffix.lower() == ".png":
+        img = png.read_gray(path).float()
+        border = torch.cat([img[0], img[-1], img[:, 0], img[:, -1]])
+        if border.mean() > 127:  # dark digit on a light page: MNIST is light on dark
+            img = 255 - img
+        if img.shape != (28, 28):
+            img = F.interpolate(img[None, None], size=(28, 28), mode="area")[0, 0]
+        return img.round().clamp(0, 255).to(torch.uint8)[None]
+    return idx.read(path, idx.IMAGES_MAGIC)
+
+
+def run_predict(cfg: PredictConfig) -> int:
+    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    device = pick_device(cfg.device, 0)
+    model.to(device).eval()
+    classes = tuple(str(c) for c in range(10))
+    for name in cfg.files:
+        images = _images(Path(name))
+        x = images.to(device).unsqueeze(1).float() / 255
+        if _normalizes(ckpt):
+            x = (x - MEAN) / STD
+        with torch.inference_mode():
+            probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
+        top = probs.topk(cfg.top, dim=1)
+        for i, (p, c) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+            where = name if len(images) == 1 else f"{name}[{i}]"
+            print(f"{where}: " + ", ".join(f"{classes[k]} ({100 * q:.1f}%)" for k, q in zip(c, p)))
+    return 0

@@ -1,0 +1,96 @@
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots.
+
+Only rank 0 reports. The other ranks get a `Reporter` with `enabled=False`, whose
+methods do nothing, so the training loop needs no `if rank == 0` branches.
+"""
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+class Reporter:
+    """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch."""
+
+    def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True) -> None:
+        self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
+        self.metrics_path = out / "metrics.jsonl"
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def bar(self, items: Iterable[T], total: int, desc: str, initial: int = 0) -> Iterator[T]:
+        """`items`, with a progress bar on rank 0's stderr when progress is on."""
+        if not (self.enabled and self.progress):
+            return iter(items)
+        return iter(tqdm(items, total=total, desc=desc, initial=initial, leave=False, dynamic_ncols=True,
+                         mininterval=0.5, file=sys.stderr))
+
+    def keep_epochs_before(self, epoch: int) -> None:
+        """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
+        if not (self.enabled and self.metrics_path.exists()):
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["epoch"] <= epoch]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.metrics_path)
+
+    def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
+        """Record one finished epoch: console line, metrics.jsonl, and the plots."""
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
+                 f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
+                 f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
+        if self.plots:
+            self._plot(confusion, classes)
+
+    def history(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def _plot(self, confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # the `plot` extra is optional
+            return
+        rows = self.history()
+        epochs = [r["epoch"] for r in rows]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax1.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+        ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
+        ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+        ax1.legend()
+        ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
+        ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
+        fig.tight_layout()
+        fig.savefig(self.out / "curves.png", dpi=100)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 6))
+        ax.imshow(confusion.numpy(), cmap="Blues")
+        ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
+               title="confusion matrix (test set)")
+        ax.set_xticklabels(classes, rotation=45, ha="right")
+        ax.set_yticklabels(classes)
+        for (i, j), n in zip(((i, j) for i in range(10) for j in range(10)), confusion.flatten().tolist()):
+            ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
+                    color="white" if n > confusion.max().item() / 2 else "black")
+        fig.tight_layout()
+        fig.savefig(self.out / "confusion.png", dpi=100)
+        plt.close(fig)

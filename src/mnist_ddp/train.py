@@ -1,0 +1,219 @@
+"""The training loop: one code path for one process and for any number of DDP ranks.
+
+Every rank runs this same function. The launch mode only decided how `Dist` was
+built; here DDP shows up in exactly four places: wrapping the model (gradients are
+all-reduced during backward), `set_epoch` on the sharded batches, the all-reduced
+metrics, and `d.is_main` deciding who writes files.
+"""
+
+import math
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import checkpoint, datasets
+from .batches import ShardedBatches
+from .config import TrainConfig
+from .distributed import Dist
+from .errors import UserError
+from .evaluation import autocast, evaluate
+from .model import ConvNet
+from .report import Reporter
+
+# Settings that shape the run; resuming with any of them changed would not continue the same run.
+RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
+                     "scheduler", "normalize", "label_smoothing", "seed", "world_size")
+
+
+@dataclass
+class Progress:
+    """Where the run stands; saved in every checkpoint."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps done in the current epoch
+    loss_sum: float = 0.0  # over all ranks, for the current epoch so far
+    seen: int = 0  # training images over all ranks, current epoch so far
+    best_accuracy: float = -1.0
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings mean something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """The recipe's optimizer and a per-step LR schedule over `steps` steps (None for constant LR)."""
+    assert cfg.lr is not None and cfg.momentum is not None and cfg.weight_decay is not None
+    if cfg.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                                     weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.momentum, 0.999),
+                                weight_decay=cfg.weight_decay)
+    if cfg.scheduler == "onecycle":
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=0.25)
+    if cfg.scheduler == "cosine":
+        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    return opt, None
+
+
+def wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
+    """DDP around the model when there are several ranks; torch.compile on request."""
+    if d.world_size > 1:
+        if cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # DDP broadcasts rank 0's weights now, then all-reduces gradients in buckets during backward.
+        # The model is tiny (29k parameters, 116 kB): one bucket, no copies (gradient_as_bucket_view),
+        # and the same graph every step (static_graph) lets DDP skip its per-step bookkeeping.
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=1)
+    return torch.compile(model) if cfg.compile else model
+
+
+def _resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+            report: Reporter) -> Progress:
+    """Load `<out>/checkpoint.pt` if there is one. Rank 0 reads it and sends it to all ranks,
+    so nodes without a shared file system resume too."""
+    path = Path(cfg.out) / "checkpoint.pt"
+    ckpt = d.broadcast(checkpoint.load(path) if d.is_main and path.exists() else None)
+    if ckpt is None:
+        report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
+        return Progress()
+    saved = ckpt.get("config", {})
+    current = cfg.to_dict() | {"world_size": d.world_size}
+    changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
+    if saved.get("data", {}).get("dataset") not in (None, cfg.data.dataset):
+        changed.append("dataset")
+    if changed:
+        raise UserError(f"{path} was saved with different settings ({', '.join(changed)}); "
+                        f"resume with the same settings or start a new --out.")
+    checkpoint.restore_model(model, ckpt["model"], path)
+    opt.load_state_dict(ckpt["optimizer"])
+    if sched is not None:
+        sched.load_state_dict(ckpt["scheduler"])
+    torch.set_rng_state(ckpt["rng"])
+    progress = Progress(**ckpt["progress"])
+    report.keep_epochs_before(progress.epoch + 1 if progress.step else progress.epoch)
+    report.say(f"resume: from {path}, epoch {progress.epoch + 1} step {progress.step}")
+    return progress
+
+
+def _save(path: Path, d: Dist, cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+          progress: Progress) -> None:
+    if d.is_main:
+        checkpoint.save(path, {
+            "model": checkpoint.plain_module(model).state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "progress": vars(progress).copy(),
+            "rng": torch.get_rng_state(),
+            "config": cfg.to_dict() | {"world_size": d.world_size},
+        })
+
+
+def run(cfg: TrainConfig, d: Dist) -> float:
+    """Train for `cfg.epochs` epochs; returns the final test accuracy (same on every rank)."""
+    cfg = cfg.resolve()
+    assert cfg.batch_size and cfg.epochs and cfg.normalize is not None and cfg.label_smoothing is not None
+    out = Path(cfg.out)
+    report = Reporter(out, d.is_main, cfg.progress, cfg.plots)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+    data = datasets.load(datasets.DataRequest(
+        cfg.data.dataset, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download,
+        cfg.data.mirrors, cfg.data.download_timeout, cfg.data.train_samples, cfg.data.test_samples))
+    report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
+               f"from {data.where}")
+    report.say(f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
+               f"world size {d.world_size}, {torch.get_num_threads()} threads per process, "
+               f"batch {cfg.batch_size} per process ({cfg.batch_size * d.world_size} global), "
+               f"{cfg.optimizer} lr {cfg.lr}, {cfg.scheduler} schedule, amp {cfg.amp}")
+
+    common = {"rank": d.rank, "world": d.world_size, "device": d.device, "normalize": cfg.normalize,
+              "channels_last": cfg.channels_last}
+    train_batches = ShardedBatches(data.train.images, data.train.labels, cfg.batch_size, shuffle=True,
+                                   seed=cfg.seed, **common)
+    test_batches = ShardedBatches(data.test.images, data.test.labels, cfg.eval_batch_size, shuffle=False,
+                                  pad=False, **common)
+    steps_per_epoch = len(train_batches)
+
+    model = ConvNet().to(d.device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt, sched = build_optimizer(cfg, model, steps_per_epoch * cfg.epochs)
+    progress = _resume(cfg, d, model, opt, sched, report) if cfg.resume else Progress()
+    net = wrap(model, cfg, d)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
+    ckpt_path = out / "checkpoint.pt"
+
+    result = None
+    for epoch in range(progress.epoch, cfg.epochs):
+        train_batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sync(d.device)
+        start, seen_before = time.perf_counter(), progress.seen
+        loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last all-reduce
+        seen_here = 0
+        batches = report.bar(train_batches.iterate(skip=progress.step), steps_per_epoch,
+                             f"epoch {epoch + 1}/{cfg.epochs}", initial=progress.step)
+        for x, y in batches:
+            with autocast(d.device, cfg.amp):
+                loss = F.cross_entropy(net(x), y, label_smoothing=cfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # DDP all-reduces the gradients here, overlapped with backward
+            scaler.step(opt)
+            scaler.update()
+            if sched is not None:
+                sched.step()
+            loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
+            seen_here += len(y)
+            progress.step += 1
+            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 \
+                    and progress.step < steps_per_epoch:
+                _fold(d, progress, loss_sum, seen_here)
+                loss_sum.zero_()
+                seen_here = 0
+                _save(ckpt_path, d, cfg, model, opt, sched, progress)
+        _fold(d, progress, loss_sum, seen_here)
+        sync(d.device)
+        train_seconds = time.perf_counter() - start
+        result = evaluate(model, test_batches, d, cfg.amp)
+        epoch_seconds = time.perf_counter() - start
+
+        metrics = {
+            "epoch": epoch + 1, "epochs": cfg.epochs,
+            "train_loss": progress.loss_sum / max(progress.seen, 1),
+            "test_loss": result.loss, "test_accuracy": result.accuracy,
+            "test_correct": result.correct, "test_count": result.count,
+            "images_per_second": (progress.seen - seen_before) / train_seconds if train_seconds > 0 else math.nan,
+            "epoch_seconds": epoch_seconds, "lr": opt.param_groups[0]["lr"], "world_size": d.world_size,
+            "batch_size": cfg.batch_size, "dataset": data.name,
+        }
+        report.epoch(metrics, result.confusion, data.classes)
+        progress = Progress(epoch=epoch + 1, best_accuracy=max(progress.best_accuracy, result.accuracy))
+        _save(ckpt_path, d, cfg, model, opt, sched, progress)
+        if result.accuracy >= progress.best_accuracy:
+            _save(out / "best.pt", d, cfg, model, opt, sched, progress)
+
+    if result is None:  # resumed a finished run: nothing left to train, so just report
+        result = evaluate(model, test_batches, d, cfg.amp)
+    report.say(f"final: test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on "
+               f"{data.name} after {cfg.epochs} epochs, world size {d.world_size}; outputs in {out}")
+    return result.accuracy
+
+
+def _fold(d: Dist, progress: Progress, loss_sum: torch.Tensor, seen_here: int) -> None:
+    """Add every rank's loss and image count since the last fold into `progress`."""
+    totals = d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=d.device)]))
+    progress.loss_sum += float(totals[0])
+    progress.seen += int(totals[1])
