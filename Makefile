@@ -1,0 +1,45 @@
+# Two commands from a fresh clone: `make train` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Without an NVIDIA GPU, pin the CPU build of torch so set-up stays small and fast; with one, let pip
+# pick a CUDA build. Elsewhere, add TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU-only wheel.
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.2,torch==2.13.0)
+TORCH_INDEX ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: train test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	touch $@
+
+$(VENV)/.plot: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[plot]"
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[plot,dev]"
+	touch $@
+
+train: $(VENV)/.plot
+	$(BIN)/mnist-ddp train --dataset auto $(ARGS)
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check src tests benchmarks
+
+# pytest's exit code 5 ("no tests ran") is a failure here, never a silent pass.
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
+
+bench: $(VENV)/.plot
+	$(BIN)/mnist-ddp bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
