@@ -9,7 +9,7 @@ metrics, and `d.is_main` deciding who writes files.
 import math
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,7 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     data = datasets.load(datasets.DataRequest(
         cfg.data.dataset, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download,
         cfg.data.mirrors, cfg.data.download_timeout, cfg.data.train_samples, cfg.data.test_samples))
+    cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
     report.say(f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
