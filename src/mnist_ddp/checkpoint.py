@@ -10,6 +10,7 @@ checkpoint whole.
 
 import os
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,9 @@ def load(path: Path) -> dict[str, Any]:
             raise UserError(f"{path}: refused, it holds Python objects other than tensors and plain values "
                             f"(loading it could run code); only weights-only checkpoints are accepted.") from e
         raise UserError(f"{path}: not a PyTorch checkpoint ({first or 'unreadable pickle'}).") from e
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
-        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one ({str(e).splitlines()[0]}).") from e
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # EOFError has no text
+        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one ({detail}).") from e
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         return obj
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -1,7 +1,8 @@
 """Where the four IDX files of a dataset come from, and the checks they must pass.
 
-Lookup order for `mnist` and `fashion-mnist`: `--data-dir`, then `./data` (our own
-`data/<name>/` layout and torchvision's `data/MNIST/raw`), then system folders
+Lookup order for `mnist` and `fashion-mnist`: `--data-dir` (flat, `<dir>/<name>/` or
+torchvision's `<dir>/MNIST/raw`), then `./data/<name>` and torchvision's `./data/MNIST/raw`
+(never a flat `./data`, which would not say which dataset it holds), then system folders
 (Debian's `dataset-fashion-mnist` installs into /usr/share/datasets), and last a
 download from the standard mirrors, MD5-checked (the same files torchvision uses).
 `synthetic` is generated in memory; `auto` means MNIST if it can be had, else synthetic.
@@ -27,7 +28,19 @@ SYNTHETIC_SEEDS = {"train": 20_240_601, "test": 20_240_602}  # fixed: the data, 
 
 
 class DataNotFound(UserError):
-    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt)."""
+    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt).
+
+    `why` is the short reason (no download allowed, or how it failed), for the one line
+    `--dataset auto` prints when it falls back to the synthetic digits.
+    """
+
+    def __init__(self, source: "Source", dirs: list[Path], why: str) -> None:
+        super().__init__(
+            f"{source.name} was not found in {', '.join(map(str, dirs))}, and {why}. "
+            f"Put the four IDX files ({', '.join(SPLIT_FILES.values())}, plain or .gz) in a folder "
+            f"and pass --data-dir FOLDER, or train on the built-in digits with --dataset synthetic."
+        )
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class Split:
     labels: torch.Tensor
 
 
+EMPTY = Split(torch.empty(0, 28, 28, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
+
+
 @dataclass(frozen=True)
 class Dataset:
     name: str
@@ -100,37 +116,42 @@ class DataRequest:
     download_timeout: float = 60.0
     train_samples: int | None = None  # first N of the split (all by default)
     test_samples: int | None = None
+    test_only: bool = False  # evaluate needs only the t10k files; `train` is then an empty split
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return ("test",) if self.test_only else ("train", "test")
 
 
 def candidate_dirs(source: Source, data_dir: Path | None) -> list[Path]:
     """Folders searched, in order, for the four files."""
-    roots = ([data_dir] if data_dir else []) + [Path("data")]
-    dirs = []
-    for root in roots:
-        dirs += [root, root / source.name, root / source.torchvision_dir / "raw"]
-    return dirs + [d / source.name for d in SYSTEM_DIRS]
+    dirs = [data_dir, data_dir / source.name, data_dir / source.torchvision_dir / "raw"] if data_dir else []
+    root = Path("data")
+    return dirs + [root / source.name, root / source.torchvision_dir / "raw"] + [d / source.name for d in SYSTEM_DIRS]
 
 
-def _find_files(folder: Path) -> dict[tuple[str, str], Path] | None:
-    """The four files in `folder`, each plain or .gz, or None if any is missing."""
-    found = {}
-    for key, base in SPLIT_FILES.items():
-        for name in (base, base + ".gz", base.replace("-idx", ".idx")):  # last: some mirrors' spelling
-            if (folder / name).is_file():
-                found[key] = folder / name
-                break
-        else:
-            return None
-    return found
+def _find_file(folder: Path, base: str) -> Path | None:
+    for name in (base, base + ".gz", base.replace("-idx", ".idx")):  # last: some mirrors' spelling
+        if (folder / name).is_file():
+            return folder / name
+    return None
 
 
-def _download(source: Source, folder: Path, mirrors: tuple[str, ...], timeout: float) -> dict[tuple[str, str], Path]:
-    """Download the four .gz files into `folder`; one process does it, the others wait on the lock."""
+def _find_files(folder: Path, splits: tuple[str, ...]) -> dict[tuple[str, str], Path] | None:
+    """The files of `splits` in `folder`, each plain or .gz, or None if any is missing."""
+    found = {key: _find_file(folder, base) for key, base in SPLIT_FILES.items() if key[0] in splits}
+    return None if None in found.values() else found  # type: ignore[return-value]
+
+
+def _download(source: Source, folder: Path, splits: tuple[str, ...], mirrors: tuple[str, ...],
+              timeout: float) -> dict[tuple[str, str], Path]:
+    """Download the missing .gz files of `splits` into `folder`; one process does it, the others
+    wait on the lock and then find the files there (so each file is fetched once per folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     with file_lock(folder / ".download.lock"):
-        if files := _find_files(folder):  # another process finished while we waited
-            return files
-        for base in SPLIT_FILES.values():
+        for (split, _), base in SPLIT_FILES.items():
+            if split not in splits or _find_file(folder, base):  # kept from an earlier (partial) download
+                continue
             name = base + ".gz"
             errors = []
             for mirror in mirrors or source.mirrors:
@@ -141,7 +162,7 @@ def _download(source: Source, folder: Path, mirrors: tuple[str, ...], timeout: f
                     errors.append(str(e))
             else:
                 raise DownloadError("; ".join(errors))
-    files = _find_files(folder)
+    files = _find_files(folder, splits)
     assert files is not None
     return files
 
@@ -153,6 +174,8 @@ def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | Non
         raise UserError(f"{files[split, 'images']}: images are {tuple(images.shape[1:])}, expected 28x28.")
     if len(labels) != len(images):
         raise UserError(f"{files[split, 'labels']}: {len(labels)} labels for {len(images)} images.")
+    if not len(images):
+        raise UserError(f"{files[split, 'images']}: holds no images.")
     if len(labels) and int(labels.max()) > 9:
         raise UserError(f"{files[split, 'labels']}: label {int(labels.max())} is outside 0-9.")
     return Split(images[:limit], labels[:limit].long())
@@ -161,35 +184,29 @@ def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | Non
 def _load_source(source: Source, req: DataRequest) -> Dataset:
     dirs = candidate_dirs(source, req.data_dir)
     for folder in dirs:
-        if files := _find_files(folder):
+        if files := _find_files(folder, req.splits):
             where = str(folder)
             break
     else:
         if not req.download:
-            raise DataNotFound(_not_found(source, dirs, "downloads are off (--no-download)"))
+            raise DataNotFound(source, dirs, "downloads are off (--no-download)")
         target = req.data_dir or Path("data") / source.name
         try:
-            files = _download(source, target, req.mirrors, req.download_timeout)
+            files = _download(source, target, req.splits, req.mirrors, req.download_timeout)
         except (DownloadError, OSError) as e:
-            raise DataNotFound(_not_found(source, dirs, f"the download failed: {e}")) from e
+            raise DataNotFound(source, dirs, f"the download failed: {e}") from e
         where = f"{target} (downloaded)"
-    train = _read_split(files, "train", req.train_samples)
+    train = _read_split(files, "train", req.train_samples) if "train" in req.splits else EMPTY
     test = _read_split(files, "test", req.test_samples)
     return Dataset(source.name, where, source.classes, train, test)
 
 
-def _not_found(source: Source, dirs: list[Path], why: str) -> str:
-    return (
-        f"{source.name} was not found in {', '.join(map(str, dirs))}, and {why}. "
-        f"Put the four IDX files ({', '.join(SPLIT_FILES.values())}, plain or .gz) in a folder "
-        f"and pass --data-dir FOLDER, or train on the built-in digits with --dataset synthetic."
-    )
-
-
 def _synthetic(req: DataRequest) -> Dataset:
     splits = {
-        split: Split(*synthetic.generate(getattr(req, f"{split}_samples") or size, SYNTHETIC_SEEDS[split]))
-        for split, size in SYNTHETIC_SIZES.items()
+        split: Split(*synthetic.generate(getattr(req, f"{split}_samples") or SYNTHETIC_SIZES[split],
+                                         SYNTHETIC_SEEDS[split]))
+        if split in req.splits else EMPTY
+        for split in SYNTHETIC_SIZES
     }
     return Dataset("synthetic", "generated", tuple("0123456789"), splits["train"], splits["test"])
 
@@ -203,5 +220,6 @@ def load(req: DataRequest) -> Dataset:
             return _load_source(SOURCES["mnist"], req)
         except DataNotFound as e:  # a corrupt MNIST is still an error, never a silent fallback
             fallback = _synthetic(req)
-            return Dataset(fallback.name, f"generated, because {e}", fallback.classes, fallback.train, fallback.test)
+            return Dataset(fallback.name, f"generated: --dataset auto fell back to the built-in digits because "
+                           f"MNIST was not found here and {e.why}", fallback.classes, fallback.train, fallback.test)
     return _load_source(SOURCES[req.name], req)

@@ -138,7 +138,8 @@ class Dist:
 def setup(ident: Identity, device: str, backend: str | None, timeout_s: float) -> Dist:
     """Pick this process's device and join the process group (not needed for one process)."""
     dev = pick_device(device, ident.local_rank)
-    if dev.type == "cpu":  # local processes share the cores rather than oversubscribe them
+    # Local processes share the cores rather than oversubscribe them; an explicit OMP_NUM_THREADS wins.
+    if dev.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // ident.local_world_size))
     if dev.type == "cuda":

@@ -51,7 +51,12 @@ def fetch(url: str, dest: Path, md5: str, timeout: float) -> None:
         if digest.hexdigest() != md5:
             raise DownloadError(f"{url}: MD5 {digest.hexdigest()} does not match the expected {md5}")
         os.replace(tmp, dest)
+    except urllib.error.HTTPError as e:
+        raise DownloadError(f"{url}: HTTP {e.code} {e.reason}") from e
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
-        raise DownloadError(f"{url}: {getattr(e, 'reason', e)}") from e
+        reason = getattr(e, "reason", e)  # urlopen wraps connection errors in a URLError
+        if isinstance(reason, TimeoutError):
+            reason = f"no answer within --download-timeout {timeout:g} s"
+        raise DownloadError(f"{url}: {reason}") from e
     finally:
         tmp.unlink(missing_ok=True)

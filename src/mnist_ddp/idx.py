@@ -8,6 +8,7 @@ import ctypes
 import gzip
 import math
 import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ IMAGES_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions (count, rows, co
 LABELS_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension (count)
 _NDIM = {IMAGES_MAGIC: 3, LABELS_MAGIC: 1}
 _KIND = {IMAGES_MAGIC: "images", LABELS_MAGIC: "labels"}
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def parse(raw: bytes, magic: int, name: str) -> torch.Tensor:
@@ -36,18 +38,22 @@ def parse(raw: bytes, magic: int, name: str) -> torch.Tensor:
             f"{name}: header says {'x'.join(map(str, dims))} = {math.prod(dims)} bytes of data "
             f"but the file holds {len(raw) - header}; it is truncated or corrupt."
         )
+    if not math.prod(dims):  # frombuffer refuses an empty buffer
+        return torch.empty(dims, dtype=torch.uint8)
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(dims)
 
 
 def read(path: Path, magic: int) -> torch.Tensor:
-    """Read an IDX file (plain or .gz) whose magic number must be `magic`."""
+    """Read an IDX file whose magic number must be `magic`, gunzipping it if it is gzip data.
+
+    Compression is recognised from the content, not the name: mirrors and unpackers do not
+    always keep the `.gz` suffix honest.
+    """
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                raw = f.read()
-        else:
-            raw = path.read_bytes()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raw = path.read_bytes()
+        if raw[:2] == GZIP_MAGIC:
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or corrupt.") from e
     return parse(raw, magic, str(path))
 
@@ -63,8 +69,4 @@ def encode(data: torch.Tensor) -> bytes:
 def write(path: Path, data: torch.Tensor) -> None:
     """Write `data` as an IDX file, gzip-compressed when the name ends in .gz."""
     raw = encode(data)
-    if path.suffix == ".gz":
-        with gzip.open(path, "wb") as f:
-            f.write(raw)
-    else:
-        path.write_bytes(raw)
+    path.write_bytes(gzip.compress(raw, mtime=0) if path.suffix == ".gz" else raw)  # mtime=0: same bytes each time

@@ -18,15 +18,18 @@ def _normalizes(ckpt: dict) -> bool:
     return bool(ckpt.get("config", {}).get("normalize", False))
 
 
+def _trained_on(ckpt: dict) -> str:
+    """The --dataset the checkpoint was trained with; a bare state_dict says nothing, so mnist."""
+    return ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
+
+
 def run_evaluate(cfg: EvalConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0)
-    name = cfg.data.dataset
-    if name == "auto":  # the dataset the checkpoint was trained on, when it says
-        name = ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
+    name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(datasets.DataRequest(
         name, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download, cfg.data.mirrors,
-        cfg.data.download_timeout, train_samples=1, test_samples=cfg.data.test_samples))
+        cfg.data.download_timeout, test_samples=cfg.data.test_samples, test_only=True))
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
                              shuffle=False, pad=False, normalize=_normalizes(ckpt))
     result = evaluate(model.to(device), batches, Dist(0, 0, 1, 1, device))
@@ -47,14 +50,18 @@ def _images(path: Path) -> torch.Tensor:
         if img.shape != (28, 28):
             img = F.interpolate(img[None, None], size=(28, 28), mode="area")[0, 0]
         return img.round().clamp(0, 255).to(torch.uint8)[None]
-    return idx.read(path, idx.IMAGES_MAGIC)
+    images = idx.read(path, idx.IMAGES_MAGIC)
+    if images.shape[1:] != (28, 28):
+        raise UserError(f"{path}: images are {tuple(images.shape[1:])}, the model needs 28x28.")
+    return images
 
 
 def run_predict(cfg: PredictConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0)
     model.to(device).eval()
-    classes = tuple(str(c) for c in range(10))
+    source = datasets.SOURCES.get(_trained_on(ckpt))
+    classes = source.classes if source else tuple("0123456789")
     for name in cfg.files:
         images = _images(Path(name))
         x = images.to(device).unsqueeze(1).float() / 255

@@ -59,7 +59,9 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, steps: int) -> tuple[tor
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.momentum, 0.999),
                                 weight_decay=cfg.weight_decay)
     if cfg.scheduler == "onecycle":
-        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=0.25)
+        # A quarter of the steps warm up; OneCycleLR divides by zero when that is exactly one step.
+        pct_start = 0.25 if steps * 0.25 != 1 else 0.5
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=pct_start)
     if cfg.scheduler == "cosine":
         return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     return opt, None
