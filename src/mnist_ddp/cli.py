@@ -18,6 +18,7 @@ from .config import (
     OPTIMIZERS,
     RECIPES,
     SCHEDULERS,
+    BenchConfig,
     DataConfig,
     EvalConfig,
     PredictConfig,
@@ -46,10 +47,10 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"environment variable {name}={value!r} is not a port number.") from None
 
 
-def _data_args(p: argparse.ArgumentParser, default: str) -> None:
+def _data_args(p: argparse.ArgumentParser, default: str | None, default_help: str | None = None) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=default, choices=DATASETS,
-                   help=f"auto = MNIST if found or downloadable, else synthetic (default: {default})")
+                   help=f"auto = MNIST if found or downloadable, else synthetic (default: {default_help or default})")
     g.add_argument("--data-dir", help="folder holding the four IDX files (plain or .gz; torchvision's "
                    "MNIST/raw layout works too); searched first, and downloads go there")
     g.add_argument("--no-download", dest="download", action="store_false", help="never download")
@@ -98,8 +99,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0, help="initial weights and the per-epoch shuffles")
     g.add_argument("--eval-batch-size", type=int, default=1000)
     g = p.add_argument_group("compute")
-    g.add_argument("--amp", default="off", choices=AMP, help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA)")
-    g.add_argument("--channels-last", action="store_true", help="NHWC memory layout")
+    g.add_argument("--amp", default="auto", choices=AMP,
+                   help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA); auto = bf16 on CPUs that do bf16 in "
+                   "hardware, else off")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory layout; None = on for CPU, off for GPUs")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs (CUDA)")
     g.add_argument("--deterministic", action="store_true", help="deterministic kernels only")
@@ -127,7 +131,41 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("files", nargs="+", metavar="FILE", help="PNG or IDX (…-images-idx3-ubyte[.gz]) files")
     pr.add_argument("--device", default="auto", choices=DEVICES)
     pr.add_argument("--top", type=int, default=1, help="show the K most likely classes")
+    _bench_parser(sub)
     return p
+
+
+QUICK = {"train_samples": 6000, "test_samples": 2000, "epochs": 1, "tutorial_epochs": 1}
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="the tutorial's pipeline vs ours, side by side: images/s and time to accuracy")
+    _data_args(b, None, "fashion-mnist if it is here, else synthetic")
+    b.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto = cuda, else cpu")
+    b.add_argument("-g", "--gpus", dest="procs", type=int, metavar="G",
+                   help="processes of the multi-process runs (default: 2 on CPU, every GPU on CUDA)")
+    b.add_argument("--epochs", type=int, help="epochs of our runs (default: the default recipe's)")
+    b.add_argument("--tutorial-epochs", type=int, help="the most epochs the tutorial gets to reach --target "
+                   "(default: 10)")
+    b.add_argument("--tutorial-seconds", type=float, default=240.0,
+                   help="... and the most seconds of training and testing (default: 240)")
+    b.add_argument("--target", type=float, default=0.89, help="test accuracy to reach (default: 0.89)")
+    b.add_argument("--quick", action="store_true", help="a smoke run in seconds: " + ", ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " unless given")
+    b.add_argument("--out", help="folder for the runs' outputs (default: runs/bench-<date-time>)")
+    b.add_argument("--json", help="where the results go (default: <out>/bench.json)")
+
+
+def _bench_config(a: argparse.Namespace) -> BenchConfig:
+    if a.quick:
+        for key, value in QUICK.items():
+            if getattr(a, key) is None:
+                setattr(a, key, value)
+    a.dataset, fallback = (a.dataset, False) if a.dataset else ("fashion-mnist", True)
+    return BenchConfig(_data_config(a), synthetic_fallback=fallback, device=a.device, procs=a.procs,
+                       epochs=a.epochs, tutorial_epochs=10 if a.tutorial_epochs is None else a.tutorial_epochs,
+                       tutorial_seconds=a.tutorial_seconds, target=a.target,
+                       out=a.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"), json=a.json)
 
 
 def _train_config(a: argparse.Namespace) -> TrainConfig:
@@ -150,6 +188,10 @@ def _dispatch(argv: list[str]) -> int:
         from .launch import launch  # torch is imported only once the arguments are known good
 
         return launch(_train_config(a))
+    if a.command == "bench":
+        from . import bench
+
+        return bench.run(_bench_config(a))
     from . import infer
 
     if a.command == "evaluate":

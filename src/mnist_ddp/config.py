@@ -21,7 +21,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("none", "onecycle", "cosine")
-AMP = ("off", "bf16", "fp16")
+AMP = ("auto", "off", "bf16", "fp16")  # auto: the fastest for the device (compute.py)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("gloo", "nccl")
 
@@ -78,9 +78,9 @@ class TrainConfig:
     label_smoothing: float | None = None
     seed: int = 0
     eval_batch_size: int = 1000
-    # Compute.
-    amp: str = "off"
-    channels_last: bool = False
+    # Compute: "auto" / None = the device's fastest (compute.resolve), an explicit value always wins.
+    amp: str = "auto"
+    channels_last: bool | None = None
     compile: bool = False
     sync_bn: bool = False
     deterministic: bool = False
@@ -169,3 +169,27 @@ class PredictConfig:
     def __post_init__(self) -> None:
         _check(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}.")
         _check(1 <= self.top <= 10, "--top must be between 1 and 10.")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """`mnist-ddp bench`: the tutorial's pipeline against ours, side by side, on the same data."""
+
+    data: DataConfig
+    synthetic_fallback: bool = False  # the dataset was not named: synthetic if it cannot be had
+    device: str = "auto"  # auto = cuda if available, else cpu (the tutorial's DDP has no MPS backend)
+    procs: int | None = None  # processes of the multi-process runs; None = 2 on CPU, every GPU on CUDA
+    epochs: int | None = None  # of our runs; None = the default recipe's
+    tutorial_epochs: int = 10  # the most epochs the tutorial gets to reach the target
+    tutorial_seconds: float = 240.0  # ... and the most seconds
+    target: float = 0.89  # test accuracy to reach
+    out: str = "runs/bench"
+    json: str | None = None  # None = <out>/bench.json
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda"), f"--device {self.device!r} is not one of auto, cpu, cuda.")
+        _check(self.procs is None or self.procs >= 1, f"-g/--gpus must be at least 1, not {self.procs}.")
+        _check(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
+        _check(self.tutorial_epochs >= 1, f"--tutorial-epochs must be at least 1, not {self.tutorial_epochs}.")
+        _check(self.tutorial_seconds > 0, "--tutorial-seconds must be positive.")
+        _check(0 < self.target <= 1, f"--target is a test accuracy between 0 and 1, not {self.target}.")

@@ -8,7 +8,6 @@ path. With one process there is no process group at all and the collectives belo
 are no-ops.
 """
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from . import compute
 from .errors import UserError
 
 Rendezvous = Literal["none", "env", "tcp", "store"]
@@ -138,10 +138,8 @@ class Dist:
 def setup(ident: Identity, device: str, backend: str | None, timeout_s: float) -> Dist:
     """Pick this process's device and join the process group (not needed for one process)."""
     dev = pick_device(device, ident.local_rank)
-    # Local processes share the cores rather than oversubscribe them; an explicit OMP_NUM_THREADS wins.
-    if dev.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // ident.local_world_size))
+    if dev.type == "cpu":  # local processes share the cores rather than oversubscribe them
+        compute.share_cores(ident.local_rank, ident.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if ident.world_size > 1:

@@ -1,0 +1,79 @@
+"""A/B of the compute settings in one process: fp32 vs bf16 autocast, NCHW vs channels_last (and --compile).
+
+The evidence behind compute.resolve's defaults. Every setting trains its own model on the same
+batches, in interleaved rounds (A B C D A B C D …), so a neighbour's load hits all of them alike;
+the median and best round are printed. Full training steps from the real pieces: ShardedBatches,
+ConvNet, train.build_optimizer (the default recipe). Prints; asserts nothing.
+
+    python benchmarks/ab_compute.py                      # this machine's cores, batch 100
+    python benchmarks/ab_compute.py --threads 1 --compile
+"""
+
+import argparse
+import itertools
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from mnist_ddp import train
+from mnist_ddp.batches import ShardedBatches
+from mnist_ddp.config import TrainConfig
+from mnist_ddp.evaluation import autocast
+from mnist_ddp.model import ConvNet
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="0: torch's default (all cores)")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--steps", type=int, default=30, help="steps per setting per round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="also bf16 + channels_last + torch.compile")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    n = args.steps * args.batch_size
+    images, labels = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,))
+    settings = [(amp, cl, False) for amp, cl in itertools.product(("off", "bf16"), (False, True))]
+    settings += [("bf16", True, True)] if args.compile else []
+    cfg = replace(TrainConfig().resolve(), scheduler="none")  # the default optimizer; a schedule costs nothing
+    runs = []
+    for amp, channels_last, compiled in settings:
+        model = ConvNet().to(device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        opt, _ = train.build_optimizer(cfg, model, 1)
+        batches = ShardedBatches(images, labels, args.batch_size, rank=0, world=1, device=device, shuffle=True,
+                                 channels_last=channels_last)
+        name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "")
+        runs.append((name, amp, torch.compile(model) if compiled else model, opt, batches, []))
+    for rnd in range(args.rounds + 1):  # round 0 warms up (oneDNN primitives, compilation): not counted
+        for _, amp, net, opt, batches, speeds in runs:
+            batches.set_epoch(rnd)
+            start = time.perf_counter()
+            for x, y in batches:
+                with autocast(device, amp):
+                    loss = F.cross_entropy(net(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rnd:
+                speeds.append(n / (time.perf_counter() - start))
+    print(f"{device.type}, {torch.get_num_threads()} threads, batch {args.batch_size}, {args.rounds} rounds "
+          f"of {args.steps} steps; images/s")
+    base = statistics.median(runs[0][5])
+    for name, *_, speeds in runs:
+        med = statistics.median(speeds)
+        print(f"  {name:34s} median {med:8,.0f}  best {max(speeds):8,.0f}  ({med / base:.2f}x the first)")
+
+
+if __name__ == "__main__":
+    main()

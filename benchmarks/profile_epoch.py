@@ -1,0 +1,147 @@
+"""Where a training step's time goes: data, forward, backward, all-reduce, optimizer.
+
+Runs the real pieces (ShardedBatches, ConvNet, train.wrap's DDP settings, train.build_optimizer,
+the per-device compute defaults) for a number of steps in 1 process and in G processes (gloo,
+cores shared and pinned as distributed.setup does), with a timer around each phase; on CUDA the
+timers synchronise first. The all-reduce is timed by a DDP comm hook, from the moment the
+gradient bucket is ready until the reduced gradients are back, and taken out of backward
+(with one bucket for this tiny model nothing overlaps). Prints a table; asserts nothing.
+
+    python benchmarks/profile_epoch.py                  # 1 and 2 processes, defaults
+    python benchmarks/profile_epoch.py --amp off --no-channels-last --procs 1
+"""
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from mnist_ddp import compute, datasets, train
+from mnist_ddp.batches import ShardedBatches
+from mnist_ddp.config import TrainConfig
+from mnist_ddp.distributed import Dist
+from mnist_ddp.evaluation import autocast
+from mnist_ddp.model import ConvNet
+
+PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
+
+
+def _load(name: str) -> datasets.Dataset:
+    try:
+        return datasets.load(datasets.DataRequest(name, download=False))
+    except datasets.DataNotFound:
+        return datasets.load(datasets.DataRequest("synthetic"))
+
+
+def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
+    device = torch.device(args.device)
+    compute.share_cores(rank, world)  # as distributed.setup does
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if world > 1:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=120))
+    cfg = compute.resolve(TrainConfig(amp=args.amp, channels_last=args.channels_last).resolve(), device)
+    d = Dist(rank, rank, world, world, device)
+    data = _load(args.dataset)
+    batches = ShardedBatches(data.train.images, data.train.labels, cfg.batch_size, rank=rank, world=world,
+                             device=device, shuffle=True, channels_last=cfg.channels_last)
+    model = ConvNet().to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt, sched = train.build_optimizer(cfg, model, len(batches))
+    net = train.wrap(model, cfg, d)
+    reduce_seconds: list[float] = []
+    if world > 1:
+        def timed_allreduce(state: list[float], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            start = time.perf_counter()
+            fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+
+            def done(f: torch.futures.Future) -> torch.Tensor:
+                state.append(time.perf_counter() - start)
+                return f.value()[0]
+            return fut.then(done)
+        net.register_comm_hook(reduce_seconds, timed_allreduce)
+
+    def tick() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    totals = dict.fromkeys(PHASES, 0.0)
+    it = iter(batches)
+    steps = min(args.steps + args.warmup, len(batches))
+    for step in range(steps):
+        if step == args.warmup:
+            totals = dict.fromkeys(PHASES, 0.0)
+            reduce_seconds.clear()
+            t_start = tick()
+        t0 = tick()
+        x, y = next(it)
+        t1 = tick()
+        with autocast(device, cfg.amp):
+            loss = F.cross_entropy(net(x), y)
+        t2 = tick()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t3 = tick()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        t4 = tick()
+        for phase, seconds in zip(("data", "forward", "backward", "optimizer"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            totals[phase] += seconds
+    wall = tick() - t_start
+    totals["all-reduce"] = sum(reduce_seconds)
+    totals["backward"] -= totals["all-reduce"]  # backward() waited for it: one bucket, nothing overlaps
+    results.put((rank, {k: v / args.steps for k, v in totals.items()}, wall / args.steps, torch.get_num_threads(),
+                 cfg.amp, cfg.channels_last, cfg.batch_size))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run(world: int, args: argparse.Namespace) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if world > 1 else None
+    mp.start_processes(_profile, args=(world, args, store.port if store else 0, results), nprocs=world,
+                       start_method="spawn")
+    got = sorted(results.get() for _ in range(world))
+    _, _, _, threads, amp, channels_last, batch = got[0]
+    per_rank = [phases for _, phases, _, *_ in got]
+    step = statistics.mean(wall for _, _, wall, *_ in got)
+    images_per_second = batch * world / step
+    print(f"\n{world} process(es) x {threads} thread(s), amp {amp}, channels_last {channels_last}, batch {batch} "
+          f"per process, {args.steps} steps (mean over ranks)")
+    for phase in PHASES:
+        ms = statistics.mean(p[phase] for p in per_rank) * 1e3
+        print(f"  {phase:11s} {ms:7.2f} ms  {100 * ms / (step * 1e3):5.1f}%")
+    other = step * 1e3 - sum(statistics.mean(p[ph] for p in per_rank) * 1e3 for ph in PHASES)
+    print(f"  {'other':11s} {other:7.2f} ms  {100 * other / (step * 1e3):5.1f}%   (timers, Python between phases)")
+    print(f"  step        {step * 1e3:7.2f} ms  -> {images_per_second:,.0f} images/s, "
+          f"{60000 / images_per_second:.1f} s per 60k-image epoch (training only)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts to profile")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per process")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    p.add_argument("--dataset", default="fashion-mnist", help="falls back to synthetic if not found")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--amp", default="auto", choices=("auto", "off", "bf16"))
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--threads", type=int, default=0, help="threads per process (0: its share of the cores)")
+    args = p.parse_args()
+    for world in args.procs:
+        run(world, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Our DDP and CPU settings for speed, checked with real processes: buffers and cores."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import cli_env
+from mnist_ddp import train
+from mnist_ddp.config import TrainConfig
+from mnist_ddp.distributed import Dist
+from mnist_ddp.model import ConvNet
+
+WORLD = 2
+
+
+def _rank(rank: int, rendezvous: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = ConvNet()
+        net = train.wrap(model, TrainConfig().resolve(), Dist(rank, rank, WORLD, WORLD, torch.device("cpu")))
+        for step in range(3):  # each rank its own data, so its own BatchNorm statistics
+            net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * rank + step))).sum().backward()
+        before = {k: v.clone() for k, v in model.named_buffers()}
+        train.average_buffers(model, Dist(rank, rank, WORLD, WORLD, torch.device("cpu")))
+        torch.save({"before": before, "after": dict(model.named_buffers())}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_stay_per_rank_while_training_and_are_averaged_on_request(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
+    name = "layer1.1.running_mean"
+    assert not torch.allclose(r0["before"][name], r1["before"][name])  # no broadcast before each forward
+    for key, value in r0["after"].items():
+        assert torch.equal(value, r1["after"][key]), key
+        if value.is_floating_point():
+            torch.testing.assert_close(value, (r0["before"][key] + r1["before"][key]) / 2)
+        else:
+            assert torch.equal(value, r0["before"][key])  # num_batches_tracked: an equal count, left alone
+
+
+SHARE = ("import json, os, sys, torch; from mnist_ddp import compute; compute.share_cores(*map(int, sys.argv[1:])); "
+         "print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()]))")
+
+
+def _share(local_rank: int, local_world: int, env: dict[str, str]) -> tuple[list[int], int]:
+    r = subprocess.run([sys.executable, "-c", SHARE, str(local_rank), str(local_world)], env=env, text=True,
+                       capture_output=True, timeout=60, check=True)
+    cores, threads = json.loads(r.stdout)
+    return cores, threads
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 cores")
+def test_local_processes_get_disjoint_cores_and_one_thread_per_core() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"}
+    shares = [_share(rank, 2, env) for rank in range(2)]
+    assert sorted(shares[0][0] + shares[1][0]) == allowed and not set(shares[0][0]) & set(shares[1][0])
+    assert [threads for _, threads in shares] == [len(cores) for cores, _ in shares]
+    assert _share(0, 1, env) == (allowed, len(allowed))  # one process: every core, not pinned
+    assert _share(1, 2, env | {"OMP_NUM_THREADS": "1"})[1] == 1  # an explicit thread count wins
