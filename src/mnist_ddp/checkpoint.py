@@ -10,7 +10,9 @@ checkpoint whole.
 
 import os
 import pickle
+import re
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,15 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save(path: Path, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically: temp file, fsync, rename, fsync the folder."""
+    """Write `payload` to `path` atomically: temp file, fsync, rename, fsync the folder.
+
+    Whenever the writer dies, `path` is the old checkpoint or the new one, never a mix. A writer killed
+    mid-save leaves its temp file behind; the next save of the same file removes it (one writer per
+    file: rank 0).
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
     try:
         with open(tmp, "wb") as f:
             torch.save({"format": FORMAT, **payload}, f)
@@ -67,13 +76,15 @@ def load(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file.")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle also draws a warning; the error below says enough
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "Weights only load failed" in first or "Unsupported global" in str(e):
-            raise UserError(f"{path}: refused, it holds Python objects other than tensors and plain values "
-                            f"(loading it could run code); only weights-only checkpoints are accepted.") from e
-        raise UserError(f"{path}: not a PyTorch checkpoint ({first or 'unreadable pickle'}).") from e
+        wants = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(e))  # the weights-only unpickler names the import
+        if wants:
+            raise UserError(f"{path}: refused, loading it would import {wants.group(1)} and could run code; only "
+                            f"checkpoints of tensors and plain values are accepted.") from e
+        raise UserError(f"{path}: not a PyTorch checkpoint (a pickle the weights-only loader cannot read).") from e
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # EOFError has no text
         raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one ({detail}).") from e
@@ -82,6 +93,16 @@ def load(path: Path) -> dict[str, Any]:
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return {"model": obj}
     raise UserError(f"{path}: holds a {type(obj).__name__}, not a model checkpoint.")
+
+
+def load_resumable(path: Path) -> dict[str, Any]:
+    """A checkpoint that `--resume` can continue: ours, with optimizer and progress, not bare weights."""
+    ckpt = load(path)
+    missing = [k for k in ("optimizer", "progress", "rng") if k not in ckpt]
+    if missing:
+        raise UserError(f"{path}: holds model weights but no training state ({', '.join(missing)}), so a run "
+                        f"cannot continue from it; use it with `evaluate`/`predict`, or start a new --out.")
+    return ckpt
 
 
 def load_model(path: Path) -> tuple[ConvNet, dict[str, Any]]:

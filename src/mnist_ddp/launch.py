@@ -5,41 +5,78 @@
 N*G. Node 0's parent holds the rendezvous store before it spawns, so a taken port
 is reported up front and the children can never race for it. Under torchrun or
 srun the launcher already started one process per rank and we only read who we are.
+
+Stopping is part of starting: Ctrl-C or SIGTERM unwinds every process like a
+KeyboardInterrupt (so `finally` blocks leave the process group and a checkpoint being
+written is never left half-done), and the parent takes its children down with it.
 """
 
 import os
 import signal
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import distributed, train
 from .config import TrainConfig
-from .distributed import Identity
+from .distributed import Identity, PeerFailure
 from .errors import UserError
 
+GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (what launchers send to stop a job) unwinds like Ctrl-C, so `finally` blocks run."""
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM (what Ctrl-C, launchers and `kill` send) unwind like Ctrl-C, so `finally` blocks
+    run. Only the first: the repeats that follow (Ctrl-C reaches the whole process group, then the parent
+    passes a SIGTERM on) must not cut short the clean-up the first one started."""
+    def ignore(signum: int, frame: FrameType | None) -> None:
+        """A repeat. Not SIG_IGN: a repeat that arrived before the first was handled would then raise."""
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, ignore)
         raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, handler)
-
-
-def run_worker(ident: Identity, cfg: TrainConfig) -> int:
-    """One rank, start to finish; the process group is always torn down, also on error."""
-    _stop_on_sigterm()
-    d = distributed.setup(ident, cfg.device, cfg.backend, cfg.timeout)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        train.run(cfg, d)
-        return 0
+        yield
     finally:
-        distributed.teardown()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> int:
+    """One rank, start to finish; the process group is always torn down, also on error.
+
+    `check_out`: rank 0 checks --out here, after joining, so that a bad one stops every rank at once
+    (torchrun and srun start all ranks before any of them could look).
+    """
+    with _signals_interrupt():
+        d = distributed.setup(ident, cfg.device, cfg.backend, cfg.timeout)
+        try:
+            if check_out:
+                d.from_main(lambda: check_out_dir(Path(cfg.out), cfg.resume))
+            train.run(cfg, d)
+            distributed.teardown(together=True)
+            return 0
+        except RuntimeError as e:
+            if d.world_size > 1 and distributed.is_peer_failure(e):
+                raise PeerFailure(
+                    f"rank {d.rank} lost contact with the other processes ({distributed.gist(e)}); one of them "
+                    f"crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s (see its log). "
+                    f"Work since the last checkpoint is lost: run again with --resume to continue from it."
+                ) from e
+            raise
+        finally:
+            distributed.teardown()
 
 
 def check_out_dir(out: Path, resume: bool) -> None:
@@ -66,61 +103,74 @@ def preflight(cfg: TrainConfig) -> None:
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
-    """Entry point of each spawned child: compute its rank, run, report a user error to the parent."""
+    """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     ident = Identity(rank=cfg.node_rank * cfg.gpus + local_rank, local_rank=local_rank,
                      world_size=cfg.world_size, local_world_size=cfg.gpus, rendezvous="store",
                      master_addr=addr, master_port=port, launcher="mnist-ddp spawn")
     try:
         run_worker(ident, cfg)
     except UserError as e:
-        errors.put(f"rank {ident.rank}: {e}")
+        errors.put(e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _stop(children: mp.ProcessContext) -> None:
+    """Ask every child still running to stop (SIGTERM unwinds it), and kill those that do not in time."""
+    for p in children.processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in children.processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():  # stuck inside a C++ call that does not return to Python
+            p.kill()
+            p.join()
 
 
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
     addr = cfg.master_addr or "127.0.0.1"
     store = None
-    if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
+    with _signals_interrupt():
+        if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
+            store = distributed.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
+        port = store.port if store is not None else cfg.master_port
+        errors = mp.get_context("spawn").SimpleQueue()
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
+                                      start_method="spawn")
         try:
-            store = dist.TCPStore(addr, cfg.master_port or 0, cfg.world_size, is_master=True,
-                                  wait_for_workers=False)
-        except (RuntimeError, OSError) as e:
-            raise UserError(f"cannot listen on {addr}:{cfg.master_port or 0} for the other processes "
-                            f"({str(e).splitlines()[0]}); the port may be in use, pick another --master-port.") from e
-    port = store.port if store is not None else cfg.master_port
-    assert port
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=True,
-                           start_method="spawn")
-    except mp.ProcessExitedException as e:
-        if not errors.empty():
-            raise UserError(errors.get()) from None
-        if e.exit_code == 130 or e.signal_name in ("SIGINT", "SIGTERM"):
-            return 130
-        print(f"mnist-ddp: a worker process stopped ({e}).", file=sys.stderr)
-        return 1
-    finally:
-        del store
+            while not children.join():  # returns early, stopping the rest, when one child fails
+                pass
+        except mp.ProcessExitedException as e:
+            rank = cfg.node_rank * cfg.gpus + e.error_index
+            if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}; the other "
+                                  f"processes were stopped. Run again with --resume to continue from the last "
+                                  f"checkpoint.") from None
+            if not errors.empty():
+                raise errors.get() from None
+            if e.exit_code == 130 or e.signal_name:
+                raise KeyboardInterrupt from None
+            raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None
+        except KeyboardInterrupt:
+            _stop(children)
+            raise
+        finally:
+            del store  # closes node 0's listening port now, not whenever the exception is freed
     return 0
 
 
 def launch(cfg: TrainConfig) -> int:
     """Run training the way this process was started; returns the exit code."""
     ident = distributed.identity_from_env(os.environ)
+    preflight(cfg)
     if ident is not None:
         if (cfg.nodes, cfg.gpus, cfg.node_rank) != (1, 1, 0):
             raise UserError(f"{ident.launcher} already started {ident.world_size} processes; "
                             f"-n/-g/-nr are for mnist-ddp's own launcher, so leave them out.")
-        preflight(cfg)
-        if ident.rank == 0:
-            check_out_dir(Path(cfg.out), cfg.resume)
-        return run_worker(ident, cfg)
-    preflight(cfg)
+        return run_worker(ident, cfg, check_out=True)
     if cfg.node_rank == 0:  # rank 0, on node 0, is the only writer
         check_out_dir(Path(cfg.out), cfg.resume)
     if cfg.world_size == 1:

@@ -110,7 +110,7 @@ def _resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt: torch.optim.Optimi
     """Load `<out>/checkpoint.pt` if there is one. Rank 0 reads it and sends it to all ranks,
     so nodes without a shared file system resume too."""
     path = Path(cfg.out) / "checkpoint.pt"
-    ckpt = d.broadcast(checkpoint.load(path) if d.is_main and path.exists() else None)
+    ckpt = d.from_main(lambda: checkpoint.load_resumable(path) if path.exists() else None)
     if ckpt is None:
         report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
         return Progress()
@@ -128,7 +128,7 @@ def _resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt: torch.optim.Optimi
         sched.load_state_dict(ckpt["scheduler"])
     torch.set_rng_state(ckpt["rng"])
     progress = Progress(**ckpt["progress"])
-    report.keep_epochs_before(progress.epoch + 1 if progress.step else progress.epoch)
+    report.keep_epochs_before(progress.epoch)  # a metrics line of the epoch in progress was never saved in it
     report.say(f"resume: from {path}, epoch {progress.epoch + 1} step {progress.step}")
     return progress
 

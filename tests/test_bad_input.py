@@ -1,0 +1,210 @@
+"""Hostile and mistaken input: one clear sentence, exit code 2, and nothing on disk overwritten or lost.
+
+CASES is the table: each row builds its situation in a fresh folder and names the words the one error
+line must contain. Every row runs the real `mnist-ddp` entry point (`cli.main`) in this process, and
+the folder is fingerprinted before and after: no file may change, vanish, or appear (new empty folders
+are allowed). A few cases that need more than one process run as real processes further down.
+"""
+
+import hashlib
+import os
+import pickle
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_cli
+from mnist_ddp import checkpoint, cli, launch
+from mnist_ddp.config import TrainConfig
+from mnist_ddp.errors import UserError
+from mnist_ddp.model import ConvNet
+from procfs import finish, free_port, marked_env, reaped, start
+
+TRAIN = ["train", "--dataset", "synthetic", "--train-samples", "200", "--test-samples", "50", "--no-progress",
+         "--no-plots"]
+MARKER = "code-ran"  # the file the hostile pickle tries to create
+
+
+class Evil:
+    """Unpickling this runs a shell command: what a booby-trapped checkpoint would do."""
+
+    def __init__(self, folder: Path) -> None:
+        self.command = f"touch {folder / MARKER}"
+
+    def __reduce__(self) -> tuple:
+        return os.system, (self.command,)
+
+
+def _ours(model: nn.Module) -> dict:
+    """A complete, resumable checkpoint of ours around `model`'s weights."""
+    return {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "scheduler": None,
+            "progress": {"epoch": 1, "step": 0, "loss_sum": 0.0, "seen": 0, "best_accuracy": 0.5},
+            "rng": torch.get_rng_state(), "config": {}}
+
+
+def _real_checkpoint_bytes(tmp: Path) -> bytes:
+    checkpoint.save(tmp / "c.pt", _ours(ConvNet()))
+    data = (tmp / "c.pt").read_bytes()
+    (tmp / "c.pt").unlink()
+    return data
+
+
+# What can sit where a checkpoint is expected; each must be refused in one sentence, by name.
+BAD_CHECKPOINTS: dict[str, tuple[Callable[[Path], bytes | None], str]] = {
+    "a checkpoint of a different model": (
+        lambda d: checkpoint.save(d / "checkpoint.pt", _ours(nn.Sequential(nn.Linear(4, 2)))),
+        "not a checkpoint of this ConvNet"),
+    "weights only (a bare state_dict) for --resume": (
+        lambda d: torch.save(ConvNet().state_dict(), d / "checkpoint.pt"), "no training state"),
+    "a text file": (lambda d: b"hello, I am not a checkpoint\n", "not a PyTorch checkpoint"),
+    "an empty file": (lambda d: b"", "not a PyTorch checkpoint"),
+    "random bytes": (lambda d: bytes(range(256)) * 40, "not a PyTorch checkpoint"),
+    "a truncated checkpoint": (lambda d: _real_checkpoint_bytes(d)[:5000], "not a PyTorch checkpoint"),
+    "a plain pickle that runs a command": (lambda d: pickle.dumps(Evil(d)), "not a PyTorch checkpoint"),
+    "a torch.save'd object that runs a command": (lambda d: torch.save(Evil(d), d / "checkpoint.pt"),
+                                                  "refused, loading it would import"),
+}
+
+
+def _place_checkpoint(folder: Path, kind: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = BAD_CHECKPOINTS[kind][0](folder)
+    if data is not None:
+        (folder / "checkpoint.pt").write_bytes(data)
+    return folder / "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class Case:
+    prepare: Callable[[Path, pytest.MonkeyPatch], list[str]]  # builds the situation, returns the argv
+    said: str  # words the error line must contain
+
+
+def _listening(port_box: list[socket.socket]) -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port_box.append(s)
+    return s.getsockname()[1]
+
+
+HELD: list[socket.socket] = []  # sockets the port-in-use case keeps open while it runs
+
+CASES: dict[str, Case] = {
+    "port already in use": Case(
+        lambda d, mp: [*TRAIN, "-n", "1", "-g", "2", "--master-port", str(_listening(HELD)), "--out", str(d / "o")],
+        "cannot listen on port"),
+    "torchrun env with RANK >= WORLD_SIZE": Case(
+        lambda d, mp: (mp.setenv("RANK", "4"), mp.setenv("WORLD_SIZE", "4"), [*TRAIN, "--out", str(d / "o")])[-1],
+        "RANK=4 does not fit WORLD_SIZE=4"),
+    "srun env with SLURM_PROCID >= SLURM_NTASKS": Case(
+        lambda d, mp: (mp.setenv("SLURM_PROCID", "2"), mp.setenv("SLURM_NTASKS", "2"),
+                       [*TRAIN, "--out", str(d / "o")])[-1],
+        "SLURM_PROCID=2 does not fit SLURM_NTASKS=2"),
+    "-n/-g under torchrun": Case(
+        lambda d, mp: (mp.setenv("RANK", "0"), mp.setenv("WORLD_SIZE", "2"),
+                       [*TRAIN, "-g", "2", "--out", str(d / "o")])[-1],
+        "leave them out"),
+    "-nr >= -n": Case(
+        lambda d, mp: [*TRAIN, "-n", "2", "-nr", "2", "--master-addr", "127.0.0.1", "--master-port", "1",
+                       "--out", str(d / "o")],
+        "-nr/--nr is this node's index"),
+    "-g larger than the visible GPUs (CUDA)": Case(
+        lambda d, mp: (mp.setattr(torch.cuda, "is_available", lambda: True),
+                       mp.setattr(torch.cuda, "device_count", lambda: 1),
+                       [*TRAIN, "-g", "2", "--out", str(d / "o")])[-1],
+        "-g/--gpus 2 asks for more GPUs than the 1 visible"),
+    "--sync-bn on a machine without CUDA": Case(lambda d, mp: [*TRAIN, "--sync-bn", "--out", str(d / "o")],
+                                                "--sync-bn needs CUDA"),
+    "--out under a regular file": Case(
+        lambda d, mp: ((d / "notes.txt").write_text("precious"), [*TRAIN, "--out", str(d / "notes.txt" / "run")])[-1],
+        "is not a writable folder"),
+    "--out holds a run, no --resume": Case(
+        lambda d, mp: (_place_checkpoint(d / "o", "a checkpoint of a different model"),
+                       [*TRAIN, "--out", str(d / "o")])[-1],
+        "already holds a run"),
+    **{f"--resume from {kind}": Case(
+        lambda d, mp, kind=kind: (_place_checkpoint(d / "o", kind), [*TRAIN, "--resume", "--out", str(d / "o")])[-1],
+        said) for kind, (_, said) in BAD_CHECKPOINTS.items()},
+    **{f"evaluate {kind}": Case(
+        lambda d, mp, kind=kind: ["evaluate", str(_place_checkpoint(d / "o", kind)), "--dataset", "synthetic",
+                                  "--test-samples", "50"],
+        said) for kind, (_, said) in BAD_CHECKPOINTS.items() if "resume" not in kind},
+}
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
+    """No launcher variables from the outside; the test's folder as working directory."""
+    for name in list(os.environ):
+        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # training in this process: one thread, as the children get
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield monkeypatch
+    torch.set_num_threads(threads)
+    while HELD:
+        HELD.pop().close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input(case: str, tmp_path: Path, clean_env: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    argv = CASES[case].prepare(tmp_path, clean_env)
+    before = _fingerprint(tmp_path)
+    code = cli.main(argv)
+    _, err = capfd.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("mnist-ddp: error: ") and "Traceback" not in err, err
+    assert CASES[case].said in lines[0], lines[0]
+    assert _fingerprint(tmp_path) == before  # nothing overwritten, removed or added
+    assert not (tmp_path / "o" / MARKER).exists()  # the hostile pickle never ran
+
+
+def test_preflight_counts_gpus_only_when_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-g above the GPU count is an error on CUDA; on the CPU -g means worker processes and any number is fine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launch.preflight(TrainConfig(gpus=2))
+    with pytest.raises(UserError, match="-g/--gpus 3 asks for more GPUs than the 2 visible"):
+        launch.preflight(TrainConfig(gpus=3))
+    launch.preflight(TrainConfig(gpus=3, device="cpu"))  # CPU worker processes: not limited by GPUs
+
+
+def test_hostile_checkpoint_as_a_real_process(tmp_path: Path) -> None:
+    """The same refusal from `python -m mnist_ddp evaluate` itself: no traceback, and no code ran."""
+    path = _place_checkpoint(tmp_path, "a torch.save'd object that runs a command")
+    r = run_cli("evaluate", str(path), "--dataset", "synthetic", "--test-samples", "50", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "refused" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_nodes_that_disagree_on_the_world_size(tmp_path: Path) -> None:
+    """Node 0 says -n 2 -g 1 (world 2), node 1 says -n 2 -g 2 (world 4): node 1 learns it at once from
+    node 0's store and says so; node 0, whose second process never comes, gives up after --timeout."""
+    port = str(free_port())
+    base = ["mnist_ddp", *TRAIN, "--timeout", "5", "--master-addr", "127.0.0.1", "--master-port", port]
+    env, mark = marked_env()
+    with reaped(mark):
+        node0 = start([*base, "-n", "2", "-g", "1", "-nr", "0", "--out", str(tmp_path / "o")], env, tmp_path,
+                      tmp_path / "0.log")
+        node1 = start([*base, "-n", "2", "-g", "2", "-nr", "1", "--out", str(tmp_path / "o1")], env, tmp_path,
+                      tmp_path / "1.log")
+        (rc0, log0), (rc1, log1) = finish(node0, tmp_path / "0.log", 120), finish(node1, tmp_path / "1.log", 120)
+    assert rc1 == 2 and "node 0 started a job of 2 processes, but this one was told the job has 4" in log1, log1
+    assert rc0 == 2 and "could not join" in log0, log0
+    assert "Traceback" not in log0 + log1
+    assert not (tmp_path / "o1").exists()
+

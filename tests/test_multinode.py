@@ -1,0 +1,148 @@
+"""Two machines on one box: two network namespaces joined by a veth pair, two workers in each.
+
+Each namespace has its own interfaces, addresses and ports, so the two "nodes" meet only over the
+virtual cable, as real machines would: a process that used a loopback address or the host's network
+would not find its peers. Traffic goes only to the addresses this test gives the namespaces. World 4,
+gloo; the final weights must equal those of a one-machine `-n 1 -g 4` run with the same seed.
+"""
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metrics
+from procfs import finish, marked_env, reaped, start
+
+ADDRS = ("10.77.0.1", "10.77.0.2")
+# Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
+ARGS = ["train", "--dataset", "synthetic", "--train-samples", "1200", "--test-samples", "200", "--epochs", "2",
+        "--seed", "3", "--no-progress", "--no-plots", "--timeout", "90"]
+RUN_TIMEOUT = 240  # seconds; generous, the box is shared: a hang detector, not a timing assertion
+
+
+@dataclass(frozen=True)
+class Machines:
+    names: tuple[str, str]
+
+    def prefix(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[node]]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def machines() -> Iterator[Machines]:
+    """Two namespaces, one veth pair between them, made for this module and always deleted."""
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` tool (iproute2) is needed to simulate machines with network namespaces")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root (run the suite as root, e.g. in a container)")
+    tag = uuid.uuid4().hex[:6]
+    names, links = (f"mddp-{tag}-0", f"mddp-{tag}-1"), (f"mddp{tag}a", f"mddp{tag}b")
+    made: list[str] = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            made.append(name)
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for name, link, addr in zip(names, links, ADDRS):
+            _ip("link", "set", link, "netns", name)
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", link, "up")
+    except subprocess.CalledProcessError as e:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", links[0]], capture_output=True)
+        pytest.skip(f"cannot build network namespaces here: {e.stderr.strip()}")
+    try:
+        yield Machines(names)
+    finally:  # deleting a namespace also deletes the veth end inside it, and with it the pair
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class Background:
+    """A run started now and collected later, so that it overlaps with the tests that need it."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.env, self.mark = marked_env()
+        self.log = cwd / "reference.log"
+        self.proc = start(args, self.env, cwd, self.log)
+        self.result: tuple[int, str] | None = None
+
+    def wait(self) -> tuple[int, str]:
+        if self.result is None:
+            with reaped(self.mark):
+                self.result = finish(self.proc, self.log, RUN_TIMEOUT)
+        return self.result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Background, Path]]:
+    """The same job on one machine: `-n 1 -g 4`, started once for both multi-machine tests."""
+    where = tmp_path_factory.mktemp("one-machine")
+    run = Background(["mnist_ddp", *ARGS, "-n", "1", "-g", "4", "--out", str(where / "out")], where)
+    yield run, where / "out"
+    run.wait()
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+
+
+def _check(nodes: list[tuple[int, str]], outs: tuple[Path, Path], reference: tuple[Background, Path]) -> None:
+    for rc, log in nodes:
+        assert rc == 0, log
+    assert "world size 4" in nodes[0][1]
+    assert not outs[1].exists(), f"node 1 wrote {sorted(p.name for p in outs[1].rglob('*'))}"  # rank 0 only
+    assert {p.name for p in outs[0].iterdir()} == {"checkpoint.pt", "best.pt", "metrics.jsonl"}
+    assert [m["world_size"] for m in metrics(outs[0])] == [4, 4]
+    ref_run, ref_out = reference
+    rc, log = ref_run.wait()
+    assert rc == 0, log
+    mine, theirs = _weights(outs[0]), _weights(ref_out)
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.allclose(mine[key].float(), theirs[key].float(), rtol=0, atol=1e-6), key
+    assert metrics(outs[0])[-1]["test_accuracy"] == metrics(ref_out)[-1]["test_accuracy"]
+
+
+def _run_nodes(commands: list[list[str]], machines: Machines, tmp_path: Path, module: bool) -> list[tuple[int, str]]:
+    env, mark = marked_env()
+    started = time.perf_counter()
+    with reaped(mark):
+        procs = [start(cmd, env, tmp_path, tmp_path / f"node{n}.log", prefix=machines.prefix(n), module=module)
+                 for n, cmd in enumerate(commands)]
+        results = [finish(p, tmp_path / f"node{n}.log", RUN_TIMEOUT) for n, p in enumerate(procs)]
+    print(f"two-machine run: {time.perf_counter() - started:.1f} s wall")
+    return results
+
+
+def test_spawn_on_two_machines(machines: Machines, reference: tuple[Background, Path], tmp_path: Path) -> None:
+    """The tutorial's way: `-n 2 -g 2 -nr R --master-addr <node 0>` typed on each machine."""
+    outs = (tmp_path / "node0-disk", tmp_path / "node1-disk")  # each machine its own disk
+    commands = [["mnist_ddp", *ARGS, "-n", "2", "-g", "2", "-nr", str(n), "--master-addr", ADDRS[0],
+                 "--master-port", "29400", "--out", str(outs[n])] for n in range(2)]
+    _check(_run_nodes(commands, machines, tmp_path, module=True), outs, reference)
+
+
+def test_torchrun_on_two_machines(machines: Machines, reference: tuple[Background, Path], tmp_path: Path) -> None:
+    """torchrun with c10d rendezvous at node 0. These machines' hostname resolves to 127.0.0.1, as on many
+    hosts, so each agent is told its address (--local-addr) and node 0 that it hosts the rendezvous."""
+    outs = (tmp_path / "node0-disk", tmp_path / "node1-disk")
+    commands = [["torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"{ADDRS[0]}:29401", "--rdzv-id", "x", "--local-addr", ADDRS[n],
+                 "--rdzv-conf", f"is_host={int(n == 0)}", "-m", "mnist_ddp", *ARGS, "--out", str(outs[n])]
+                for n in range(2)]
+    _check(_run_nodes(commands, machines, tmp_path, module=True), outs, reference)
