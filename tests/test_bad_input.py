@@ -98,7 +98,7 @@ HELD: list[socket.socket] = []  # sockets the port-in-use case keeps open while 
 CASES: dict[str, Case] = {
     "port already in use": Case(
         lambda d, mp: [*TRAIN, "-n", "1", "-g", "2", "--master-port", str(_listening(HELD)), "--out", str(d / "o")],
-        "cannot listen on port"),
+        "is already in use on this machine"),
     "torchrun env with RANK >= WORLD_SIZE": Case(
         lambda d, mp: (mp.setenv("RANK", "4"), mp.setenv("WORLD_SIZE", "4"), [*TRAIN, "--out", str(d / "o")])[-1],
         "RANK=4 does not fit WORLD_SIZE=4"),
@@ -168,6 +168,7 @@ def test_bad_input(case: str, tmp_path: Path, clean_env: pytest.MonkeyPatch, cap
     lines = err.strip().splitlines()
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("mnist-ddp: error: ") and "Traceback" not in err, err
+    print(f"{case} -> {lines[0]}")
     assert CASES[case].said in lines[0], lines[0]
     assert _fingerprint(tmp_path) == before  # nothing overwritten, removed or added
     assert not (tmp_path / "o" / MARKER).exists()  # the hostile pickle never ran

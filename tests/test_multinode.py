@@ -115,6 +115,8 @@ def _check(nodes: list[tuple[int, str]], outs: tuple[Path, Path], reference: tup
     assert mine.keys() == theirs.keys()
     for key in mine:
         assert torch.allclose(mine[key].float(), theirs[key].float(), rtol=0, atol=1e-6), key
+    worst = max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
+    print(f"largest weight difference from the one-machine run: {worst:g}")
     assert metrics(outs[0])[-1]["test_accuracy"] == metrics(ref_out)[-1]["test_accuracy"]
 
 

@@ -70,8 +70,9 @@ def test_twenty_runs_leak_no_port_process_or_file(tmp_path: Path) -> None:
             del store
             assert [error for _, error, _, _ in reports] == [None] * WORLD, (run, reports)
             fds.append([n for _, _, n, _ in reports])
-            # The store's port closed with the run. Gloo keeps one listening socket per process for the
-            # process's life (the same socket, run after run); a leak would add one every run.
+            # The store's port closed with the run. In a long-lived process torch keeps the first DDP run's
+            # gloo group (and its one listening socket) alive after destroy_process_group: the same socket,
+            # run after run. A leak of ours would add one every run.
             listening = listening_inodes()
             assert not socket_inodes(os.getpid()) & listening, f"run {run}: the store's port is still open"
             held = [inodes & listening for *_, inodes in reports]

@@ -86,8 +86,10 @@ def load(path: Path) -> dict[str, Any]:
                             f"checkpoints of tensors and plain values are accepted.") from e
         raise UserError(f"{path}: not a PyTorch checkpoint (a pickle the weights-only loader cannot read).") from e
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # EOFError has no text
-        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one ({detail}).") from e
+        # Only torch's own messages say something (e.g. "failed finding central directory"); a KeyError
+        # of junk bytes or an EOFError would just be noise.
+        detail = f" ({str(e).strip().splitlines()[0].split('. ')[0]})" if type(e) is RuntimeError and str(e) else ""
+        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one{detail}.") from e
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         return obj
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -115,8 +117,13 @@ def load_model(path: Path) -> tuple[ConvNet, dict[str, Any]]:
 
 def restore_model(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
     """Load `state` into `model`, or say clearly that it belongs to some other network."""
-    try:
-        plain_module(model).load_state_dict(clean_state_dict(state))
-    except RuntimeError as e:
-        detail = str(e).splitlines()[0]
-        raise UserError(f"{path}: not a checkpoint of this ConvNet ({detail}).") from e
+    state, want = clean_state_dict(state), plain_module(model).state_dict()
+    missing, unknown = [k for k in want if k not in state], [k for k in state if k not in want]
+    wrong = [k for k in want if k in state and getattr(state[k], "shape", None) != want[k].shape]
+    if missing or unknown or wrong:
+        why = [f"it lacks {len(missing)} of the ConvNet's {len(want)} tensors (e.g. {missing[0]})" if missing else "",
+               f"has {len(unknown)} the ConvNet does not (e.g. {unknown[0]})" if unknown else "",
+               f"has {wrong[0]} of shape {tuple(getattr(state[wrong[0]], 'shape', ()))}, not "
+               f"{tuple(want[wrong[0]].shape)}" if wrong else ""]
+        raise UserError(f"{path}: not a checkpoint of this ConvNet: {', '.join(w for w in why if w)}.")
+    plain_module(model).load_state_dict(state)

@@ -209,16 +209,19 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dis
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:
+        if "EADDRINUSE" in str(e):
+            raise UserError(f"port {port} is already in use on this machine (another job or program listens "
+                            f"there); choose another --master-port (or MASTER_PORT).") from e
         raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({gist(e)}); "
-                        f"another program may be using it: choose another --master-port (or MASTER_PORT).") from e
+                        f"choose another --master-port (or MASTER_PORT).") from e
     store.set(WORLD_KEY, str(world_size))
     return store
 
 
-def _wait_for_listener(ident: Identity, deadline: float) -> None:
+def _wait_for_listener(ident: Identity, timeout: timedelta) -> None:
     """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
     retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
-    addr, port = ident.master_addr, ident.master_port
+    addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
     while True:
         try:
             with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
@@ -229,8 +232,9 @@ def _wait_for_listener(ident: Identity, deadline: float) -> None:
         except OSError:
             if time.monotonic() >= deadline:
                 raise UserError(
-                    f"rank {ident.rank} found nobody listening at {addr}:{port} within the --timeout; start node 0 "
-                    f"(the one with rank 0) as well, and give every node the same --master-addr and --master-port."
+                    f"rank {ident.rank} found nobody listening at {addr}:{port} within {timeout.total_seconds():g} s "
+                    f"(--timeout); start node 0 (the one with rank 0) as well, and give every node the same "
+                    f"--master-addr and --master-port."
                 ) from None
             time.sleep(0.2)
 
@@ -245,7 +249,7 @@ def _joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
         return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store)
     if ident.rendezvous == "tcp" and ident.rank == 0:
         return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
-    _wait_for_listener(ident, time.monotonic() + timeout.total_seconds())
+    _wait_for_listener(ident, timeout)
     store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
     expected = int(store.get(WORLD_KEY))
     if expected != ident.world_size:
@@ -292,15 +296,18 @@ def _join(ident: Identity, backend: str, timeout: timedelta) -> None:
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
-        if ident.rendezvous != "env":  # env: torch's env:// does it all
+        if ident.rendezvous != "env":
             kwargs["store"] = _joined_store(ident, timeout)
+        elif ident.rank > 0:  # env:// makes rank 0 the store's host; the others connect to it
+            _wait_for_listener(ident, timeout)
         dist.init_process_group(**kwargs)
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
+        others = ident.world_size - 1
         raise UserError(
-            f"rank {ident.rank} could not join the other {ident.world_size - 1} processes at {ident.master_addr}:"
-            f"{ident.master_port} within {timeout.total_seconds():.0f} s ({gist(e)}); check that every node "
-            f"was started with the same --master-addr/--master-port and world size, and that they can reach each "
-            f"other (GLOO_SOCKET_IFNAME names the network interface gloo should use)."
+            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
+            f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s ({gist(e)}); check that "
+            f"every node was started with the same --master-addr/--master-port and world size, and that they can "
+            f"reach each other (GLOO_SOCKET_IFNAME names the network interface gloo should use)."
         ) from e
 
 
