@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import metrics
-from mnist_ddp.distributed import first_host, identity_from_env, tasks_on_node
+from mnist_ddp.distributed import first_host, identity_from_env, pick_device, tasks_on_node
 from mnist_ddp.errors import UserError
 from procfs import finish, free_port, marked_env, reaped, start
 
@@ -100,6 +100,21 @@ def test_no_launcher_means_no_identity() -> None:
 def test_impossible_launcher_numbers_are_clear_errors(env: dict[str, str], message: str) -> None:
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
         identity_from_env(env)
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "device"), [(4, 3, "cuda:3"), (1, 3, "cuda:0"), (1, 0, "cuda:0")])
+def test_each_task_gets_its_gpu(monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, device: str) -> None:
+    """All GPUs visible: local rank N takes GPU N. `--gpus-per-task 1`: each task sees one, as device 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert pick_device("cuda", local_rank) == torch.device(device)
+
+
+def test_more_tasks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match="local rank 2 needs a GPU of its own, but this process sees only 2"):
+        pick_device("auto", 2)
 
 
 def test_two_processes_started_like_srun_train_together(tmp_path: Path) -> None:

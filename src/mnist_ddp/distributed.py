@@ -130,13 +130,21 @@ def identity_from_env(env: Mapping[str, str]) -> Identity | None:
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
-    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU."""
+    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU.
+
+    A process that sees a single GPU uses it whatever its local rank: SLURM's --gpus-per-task and
+    per-rank CUDA_VISIBLE_DEVICES give every process "its" GPU as device 0.
+    """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
-        return torch.device("cuda", local_rank)
+        visible = torch.cuda.device_count()
+        if visible > 1 and local_rank >= visible:
+            raise UserError(f"local rank {local_rank} needs a GPU of its own, but this process sees only {visible}; "
+                            f"start at most {visible} processes per node.")
+        return torch.device("cuda", local_rank if visible > 1 else 0)
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps was asked for, but this PyTorch has no MPS support here.")
     return torch.device(name)
