@@ -37,7 +37,8 @@ GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 def _signals_interrupt() -> Iterator[None]:
     """SIGINT and SIGTERM (what Ctrl-C, launchers and `kill` send) unwind like Ctrl-C, so `finally` blocks
     run. Only the first: the repeats that follow (Ctrl-C reaches the whole process group, then the parent
-    passes a SIGTERM on) must not cut short the clean-up the first one started."""
+    passes a SIGTERM on) must not cut short the clean-up the first one started, nor the exit after it,
+    so once one has come the repeats stay ignored."""
     def ignore(signum: int, frame: FrameType | None) -> None:
         """A repeat. Not SIG_IGN: a repeat that arrived before the first was handled would then raise."""
 
@@ -49,8 +50,9 @@ def _signals_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        if signal.getsignal(signal.SIGINT) is handler:  # no signal came: leave things as they were
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> int:
