@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from mnist_ddp import distributed, launch
+from mnist_ddp import launch, rendezvous
 from mnist_ddp.config import DataConfig, TrainConfig
 from mnist_ddp.distributed import Identity
 from procfs import children, listening_inodes, needs_proc, socket_inodes
@@ -62,7 +62,7 @@ def test_twenty_runs_leak_no_port_process_or_file(tmp_path: Path) -> None:
             out = tmp_path / f"run{run:02d}"
             cfg = _config(out, run)
             launch.check_out_dir(out, resume=False)  # what the parent does before it spawns
-            store = distributed.host_store("127.0.0.1", 0, WORLD, timedelta(seconds=60))
+            store = rendezvous.host_store("127.0.0.1", 0, WORLD, timedelta(seconds=60))
             for r in range(WORLD):
                 jobs[r].put((Identity(rank=r, local_rank=r, world_size=WORLD, local_world_size=WORLD,
                                       rendezvous="store", master_port=store.port, launcher="soak"), cfg))

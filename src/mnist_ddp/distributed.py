@@ -8,13 +8,8 @@ path. With one process there is no process group at all and the collectives belo
 are no-ops.
 """
 
-import ipaddress
 import os
 import re
-import socket
-import struct
-import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,12 +18,11 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import compute
+from . import compute, rendezvous
 from .errors import UserError
 
 Rendezvous = Literal["none", "env", "agent", "tcp", "store"]
 T = TypeVar("T")
-WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares
 
 
 class PeerFailure(UserError):
@@ -211,111 +205,27 @@ def setup(ident: Identity, device: str, backend: str | None, timeout_s: float) -
     return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, dev)
 
 
-def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """Open the job's rendezvous store on node 0 (port 0: any free port). Listening fails at once when the
-    port is taken, the clearest moment to say so; the world size is left in it for every joiner to check."""
-    try:
-        store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        if "EADDRINUSE" in str(e):
-            raise UserError(f"port {port} is already in use on this machine (another job or program listens "
-                            f"there); choose another --master-port (or MASTER_PORT).") from e
-        raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({gist(e)}); "
-                        f"choose another --master-port (or MASTER_PORT).") from e
-    store.set(WORLD_KEY, str(world_size))
-    return store
-
-
-def _wait_for_listener(ident: Identity, timeout: timedelta) -> None:
-    """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
-    retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
-    addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return
-        except socket.gaierror as e:
-            raise UserError(f"the master address {addr!r} is not a host name this machine can resolve ({e}).") \
-                from None
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise UserError(
-                    f"rank {ident.rank} found nobody listening at {addr}:{port} within {timeout.total_seconds():g} s "
-                    f"(--timeout); start node 0 (the one with rank 0) as well, and give every node the same "
-                    f"--master-addr and --master-port."
-                ) from None
-            time.sleep(0.2)
-
-
-def _joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
-    """The rendezvous store, as its host (rank 0 under SLURM) or as a client of node 0's (or torchrun's)."""
-    if ident.rendezvous == "agent":
-        # torchrun's agent keeps one store for all restarts, so a restarted worker would read the
-        # addresses its dead predecessors left there and fail to connect (pytorch/pytorch#135712):
-        # each attempt gets a namespace of its own.
-        store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
-        return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store)
-    if ident.rendezvous == "tcp" and ident.rank == 0:
-        return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
-    _wait_for_listener(ident, timeout)
-    store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
-    expected = int(store.get(WORLD_KEY))
-    if expected != ident.world_size:
-        raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "
-                        f"{ident.world_size}; give every node the same -n and -g (or the same number of tasks).")
-    return store
-
-
-def gloo_interface(addr: str) -> str | None:
-    """The network interface (e.g. 'eth0') this machine reaches `addr` through; None for loopback or unknown.
-
-    Left alone, gloo listens on the address the hostname resolves to, and on many machines (Debian's
-    127.0.1.1, containers, network namespaces) that is a loopback address that other nodes cannot reach.
-    """
-    if sys.platform != "linux":
-        return None
-    import fcntl  # POSIX only
-
-    siocgifaddr = 0x8915  # Linux ioctl: the IPv4 address of an interface
-    try:
-        ip = socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0]
-        if ipaddress.ip_address(ip).is_loopback:
-            return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((ip, 9))  # a UDP connect sends nothing: the kernel only picks the route and our address
-            local = s.getsockname()[0]
-            for _, name in socket.if_nameindex():
-                try:
-                    answer = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-                except OSError:  # an interface without an IPv4 address
-                    continue
-                if socket.inet_ntoa(answer[20:24]) == local:
-                    return name
-    except OSError:
-        pass
-    return None
-
-
 def _join(ident: Identity, backend: str, timeout: timedelta) -> None:
     kwargs: dict[str, Any] = {"backend": backend, "rank": ident.rank, "world_size": ident.world_size,
                               "timeout": timeout}
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = gloo_interface(ident.master_addr)
+        interface = rendezvous.gloo_interface(ident.master_addr)
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
         if ident.rendezvous != "env":
-            kwargs["store"] = _joined_store(ident, timeout)
+            kwargs["store"] = rendezvous.joined_store(ident, timeout)
         elif ident.rank > 0:  # env:// makes rank 0 the store's host; the others connect to it
-            _wait_for_listener(ident, timeout)
+            rendezvous.wait_for_listener(ident, timeout)
         dist.init_process_group(**kwargs)
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
         others = ident.world_size - 1
         raise UserError(
             f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
-            f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s ({gist(e)}); check that "
-            f"every node was started with the same --master-addr/--master-port and world size, and that they can "
-            f"reach each other (GLOO_SOCKET_IFNAME names the network interface gloo should use)."
+            f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s "
+            f"({rendezvous.gist(e)}); check that every node was started with the same --master-addr/--master-port "
+            f"and world size, and that they can reach each other (GLOO_SOCKET_IFNAME names the network interface "
+            f"gloo should use)."
         ) from e
 
 
@@ -324,13 +234,6 @@ def is_peer_failure(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, dist.DistError) or any(
         mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL"))
-
-
-def gist(e: BaseException) -> str:
-    """The gist of a c10d/gloo error: its first sentence, without the C++ source location."""
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0].strip()).split(". ")[0] if lines else type(e).__name__
-    return first if len(first) <= 200 else first[:197] + "..."
 
 
 def teardown(together: bool = False) -> None:

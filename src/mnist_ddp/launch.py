@@ -25,7 +25,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import distributed, train
+from . import distributed, rendezvous, train
 from .config import TrainConfig
 from .distributed import Identity, PeerFailure
 from .errors import UserError
@@ -72,7 +72,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         except RuntimeError as e:
             if d.world_size > 1 and distributed.is_peer_failure(e):
                 raise PeerFailure(
-                    f"rank {d.rank} lost contact with the other processes ({distributed.gist(e)}); one of them "
+                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); one of them "
                     f"crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s (see its log). "
                     f"Work since the last checkpoint is lost: run again with --resume to continue from it."
                 ) from e
@@ -137,7 +137,7 @@ def spawn(cfg: TrainConfig) -> int:
     store = None
     with _signals_interrupt():
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
-            store = distributed.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
+            store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
         errors = mp.get_context("spawn").SimpleQueue()
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,

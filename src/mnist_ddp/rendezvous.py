@@ -1,0 +1,119 @@
+"""Where the processes of a job meet: the rendezvous store, and the network gloo uses.
+
+Every multi-process launch starts at a TCP key-value store on node 0 (rank 0's machine):
+node 0's spawning parent or rank 0 hosts it, torchrun's agent may host it for us, and every
+other process connects to it, finds the others' addresses there and then talks to them
+directly. The helpers here make the failure modes of that first contact clear and bounded
+by --timeout: a port in use, nobody listening, nodes that disagree on the world size, and
+a hostname that resolves to loopback.
+"""
+
+import ipaddress
+import re
+import socket
+import struct
+import sys
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from .errors import UserError
+
+if TYPE_CHECKING:  # distributed imports this module; the type is only needed for the annotations
+    from .distributed import Identity
+
+WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares
+
+
+def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Open the job's rendezvous store on node 0 (port 0: any free port). Listening fails at once when the
+    port is taken, the clearest moment to say so; the world size is left in it for every joiner to check."""
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        if "EADDRINUSE" in str(e):
+            raise UserError(f"port {port} is already in use on this machine (another job or program listens "
+                            f"there); choose another --master-port (or MASTER_PORT).") from e
+        raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({gist(e)}); "
+                        f"choose another --master-port (or MASTER_PORT).") from e
+    store.set(WORLD_KEY, str(world_size))
+    return store
+
+
+def wait_for_listener(ident: "Identity", timeout: timedelta) -> None:
+    """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
+    retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
+    addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except socket.gaierror as e:
+            raise UserError(f"the master address {addr!r} is not a host name this machine can resolve ({e}).") \
+                from None
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"rank {ident.rank} found nobody listening at {addr}:{port} within {timeout.total_seconds():g} s "
+                    f"(--timeout); start node 0 (the one with rank 0) as well, and give every node the same "
+                    f"--master-addr and --master-port."
+                ) from None
+            time.sleep(0.2)
+
+
+def joined_store(ident: "Identity", timeout: timedelta) -> dist.Store:
+    """The rendezvous store, as its host (rank 0 under SLURM) or as a client of node 0's (or torchrun's)."""
+    if ident.rendezvous == "agent":
+        # torchrun's agent keeps one store for all restarts, so a restarted worker would read the
+        # addresses its dead predecessors left there and fail to connect (pytorch/pytorch#135712):
+        # each attempt gets a namespace of its own.
+        store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store)
+    if ident.rendezvous == "tcp" and ident.rank == 0:
+        return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
+    wait_for_listener(ident, timeout)
+    store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
+    expected = int(store.get(WORLD_KEY))
+    if expected != ident.world_size:
+        raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "
+                        f"{ident.world_size}; give every node the same -n and -g (or the same number of tasks).")
+    return store
+
+
+def gloo_interface(addr: str) -> str | None:
+    """The network interface (e.g. 'eth0') this machine reaches `addr` through; None for loopback or unknown.
+
+    Left alone, gloo listens on the address the hostname resolves to, and on many machines (Debian's
+    127.0.1.1, containers, network namespaces) that is a loopback address that other nodes cannot reach.
+    """
+    if sys.platform != "linux":
+        return None
+    import fcntl  # POSIX only
+
+    siocgifaddr = 0x8915  # Linux ioctl: the IPv4 address of an interface
+    try:
+        ip = socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0]
+        if ipaddress.ip_address(ip).is_loopback:
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))  # a UDP connect sends nothing: the kernel only picks the route and our address
+            local = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    answer = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+                except OSError:  # an interface without an IPv4 address
+                    continue
+                if socket.inet_ntoa(answer[20:24]) == local:
+                    return name
+    except OSError:
+        pass
+    return None
+
+
+def gist(e: BaseException) -> str:
+    """The gist of a c10d/gloo error: its first sentence, without the C++ source location."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0].strip()).split(". ")[0] if lines else type(e).__name__
+    return first if len(first) <= 200 else first[:197] + "..."
