@@ -99,11 +99,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0, help="initial weights and the per-epoch shuffles")
     g.add_argument("--eval-batch-size", type=int, default=1000)
     g = p.add_argument_group("compute")
-    g.add_argument("--amp", default="auto", choices=AMP,
+    g.add_argument("--amp", choices=AMP,
                    help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA); auto = bf16 on CPUs that do bf16 in "
-                   "hardware, else off")
+                   "hardware, else off (default: the recipe's: auto, or off for --recipe tutorial)")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory layout; None = on for CPU, off for GPUs")
+                   help="NHWC memory layout (default: on for CPU, off for GPUs)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs (CUDA)")
     g.add_argument("--deterministic", action="store_true", help="deterministic kernels only")

@@ -14,10 +14,10 @@ from .errors import UserError
 RECIPES: dict[str, dict[str, Any]] = {
     # AdamW with a one-cycle schedule: ≥99% on MNIST and ≥90% on Fashion-MNIST in 2 epochs.
     "default": {"optimizer": "adamw", "lr": 3e-3, "momentum": 0.9, "weight_decay": 5e-4, "batch_size": 100,
-                "epochs": 2, "scheduler": "onecycle", "normalize": True, "label_smoothing": 0.0},
-    # The tutorial, exactly: plain SGD at lr 1e-4, no momentum, pixels in [0, 1] without normalisation.
+                "epochs": 2, "scheduler": "onecycle", "normalize": True, "label_smoothing": 0.0, "amp": "auto"},
+    # The tutorial, exactly: plain SGD at lr 1e-4, no momentum, pixels in [0, 1] without normalisation, fp32.
     "tutorial": {"optimizer": "sgd", "lr": 1e-4, "momentum": 0.0, "weight_decay": 0.0, "batch_size": 100,
-                 "epochs": 2, "scheduler": "none", "normalize": False, "label_smoothing": 0.0},
+                 "epochs": 2, "scheduler": "none", "normalize": False, "label_smoothing": 0.0, "amp": "off"},
 }
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("none", "onecycle", "cosine")
@@ -79,7 +79,7 @@ class TrainConfig:
     seed: int = 0
     eval_batch_size: int = 1000
     # Compute: "auto" / None = the device's fastest (compute.resolve), an explicit value always wins.
-    amp: str = "auto"
+    amp: str | None = None  # None: the recipe's ("auto": the fastest for the device, see compute.py)
     channels_last: bool | None = None
     compile: bool = False
     sync_bn: bool = False
@@ -116,7 +116,7 @@ class TrainConfig:
         _check(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
         _check(self.label_smoothing is None or 0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1).")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
-        _check(self.amp in AMP, f"--amp {self.amp!r} is not one of {', '.join(AMP)}.")
+        _check(self.amp is None or self.amp in AMP, f"--amp {self.amp!r} is not one of {', '.join(AMP)}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.nodes == 1 or self.master_addr is not None,
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")

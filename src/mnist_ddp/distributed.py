@@ -8,6 +8,7 @@ path. With one process there is no process group at all and the collectives belo
 are no-ops.
 """
 
+import gc
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -246,4 +247,8 @@ def teardown(together: bool = False) -> None:
     if dist.is_available() and dist.is_initialized():
         if together:
             dist.barrier()
+        # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
+        # group's gloo threads are stopped here rather than by destructors while the interpreter exits
+        # (where a still-running thread aborts the process: "terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()

@@ -162,7 +162,7 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
     report.say(f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
-               f"world size {d.world_size}, {torch.get_num_threads()} threads per process, "
+               f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process, "
                f"batch {cfg.batch_size} per process ({cfg.batch_size * d.world_size} global), "
                f"{cfg.optimizer} lr {cfg.lr}, {cfg.scheduler} schedule, amp {cfg.amp}, "
                f"channels_last {cfg.channels_last}")
