@@ -102,9 +102,7 @@ def _child_env() -> dict[str, str]:
 def _pick_data(cfg: BenchConfig) -> tuple[datasets.DataRequest, datasets.Dataset]:
     """The data every run uses: the named dataset, or Fashion-MNIST if it is here, else synthetic digits."""
     d = cfg.data
-    req = datasets.DataRequest(d.dataset, Path(d.data_dir) if d.data_dir else None,
-                               d.download and not cfg.synthetic_fallback, d.mirrors, d.download_timeout,
-                               d.train_samples, d.test_samples)
+    req = d.request(download=d.download and not cfg.synthetic_fallback)
     try:
         data = datasets.load(req)
     except datasets.DataNotFound:

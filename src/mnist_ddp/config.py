@@ -6,9 +6,10 @@ not give them and are filled in from the recipe, so an explicit flag always wins
 """
 
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
-from .datasets import DATASETS
+from .datasets import DATASETS, DataRequest
 from .errors import UserError
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -49,6 +50,12 @@ class DataConfig:
             value = getattr(self, name)
             _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}.")
         _check(self.download_timeout > 0, "--download-timeout must be positive.")
+
+    def request(self, **changes: Any) -> DataRequest:
+        """What `datasets.load` takes: these settings, with `changes` (e.g. test_only=True) applied."""
+        req = DataRequest(self.dataset, Path(self.data_dir) if self.data_dir else None, self.download,
+                          self.mirrors, self.download_timeout, self.train_samples, self.test_samples)
+        return replace(req, **changes)
 
 
 @dataclass(frozen=True)

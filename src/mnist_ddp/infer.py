@@ -27,9 +27,7 @@ def run_evaluate(cfg: EvalConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
-    data = datasets.load(datasets.DataRequest(
-        name, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download, cfg.data.mirrors,
-        cfg.data.download_timeout, test_samples=cfg.data.test_samples, test_only=True))
+    data = datasets.load(cfg.data.request(name=name, train_samples=None, test_only=True))
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
                              shuffle=False, pad=False, normalize=_normalizes(ckpt))
     result = evaluate(model.to(device), batches, Dist(0, 0, 1, 1, device))

@@ -155,9 +155,7 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     compute.configure_backends(d.device, cfg.deterministic)
 
-    data = datasets.load(datasets.DataRequest(
-        cfg.data.dataset, Path(cfg.data.data_dir) if cfg.data.data_dir else None, cfg.data.download,
-        cfg.data.mirrors, cfg.data.download_timeout, cfg.data.train_samples, cfg.data.test_samples))
+    data = datasets.load(cfg.data.request())
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
