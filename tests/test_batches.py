@@ -44,9 +44,10 @@ def test_batches_are_normalised_floats_in_nchw_shape(channels_last: bool) -> Non
 
 
 def test_compute_defaults_follow_the_device_and_explicit_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    auto = TrainConfig()
+    auto = TrainConfig().resolve()  # the default recipe asks for amp "auto"
     monkeypatch.setattr(compute, "cpu_has_fast_bf16", lambda: True)
     assert (compute.resolve(auto, CPU).amp, compute.resolve(auto, CPU).channels_last) == ("bf16", True)
+    assert compute.resolve(TrainConfig(recipe="tutorial").resolve(), CPU).amp == "off"  # the tutorial's fp32
     monkeypatch.setattr(compute, "cpu_has_fast_bf16", lambda: False)
     assert compute.resolve(auto, CPU).amp == "off"  # emulated bf16 would be slower than fp32
     for device in ("cuda", "mps"):
