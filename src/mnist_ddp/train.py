@@ -10,7 +10,7 @@ import inspect
 import math
 import platform
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,17 +133,68 @@ def _resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt: torch.optim.Optimi
     return progress
 
 
-def _save(path: Path, d: Dist, cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
-          progress: Progress) -> None:
-    if d.is_main:
-        checkpoint.save(path, {
-            "model": checkpoint.plain_module(model).state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict() if sched is not None else None,
-            "progress": vars(progress).copy(),
-            "rng": torch.get_rng_state(),
-            "config": cfg.to_dict() | {"world_size": d.world_size},
-        })
+@dataclass
+class _Loop:
+    """What every epoch uses, built once by `run`: one epoch of training, and saving."""
+
+    cfg: TrainConfig
+    d: Dist
+    model: nn.Module  # the plain ConvNet: evaluated and saved
+    net: nn.Module  # what trains: DDP (and/or torch.compile) around `model`
+    opt: torch.optim.Optimizer
+    sched: Any
+    report: Reporter
+    scaler: torch.amp.GradScaler = field(init=False)  # loss scaling for fp16; a no-op otherwise
+    ckpt_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scaler = torch.amp.GradScaler(self.d.device.type, enabled=self.cfg.amp == "fp16")
+        self.ckpt_path = Path(self.cfg.out) / "checkpoint.pt"
+
+    def train_epoch(self, batches: ShardedBatches, epoch: int, progress: Progress) -> float:
+        """Train one epoch from `progress.step` on, updating `progress`; returns the seconds it took."""
+        cfg, d = self.cfg, self.d
+        batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        steps = len(batches)
+        sync(d.device)
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last all-reduce
+        seen_here = 0
+        for x, y in self.report.bar(batches.iterate(skip=progress.step), steps, f"epoch {epoch + 1}/{cfg.epochs}",
+                                    initial=progress.step):
+            with autocast(d.device, cfg.amp):
+                loss = F.cross_entropy(self.net(x), y, label_smoothing=cfg.label_smoothing)
+            self.opt.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            if self.sched is not None:
+                self.sched.step()
+            loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
+            seen_here += len(y)
+            progress.step += 1
+            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < steps:
+                _fold(d, progress, loss_sum, seen_here)
+                loss_sum.zero_()
+                seen_here = 0
+                average_buffers(self.model, d)
+                self.save(self.ckpt_path, progress)
+        _fold(d, progress, loss_sum, seen_here)
+        average_buffers(self.model, d)
+        sync(d.device)
+        return time.perf_counter() - start
+
+    def save(self, path: Path, progress: Progress) -> None:
+        """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks)."""
+        if self.d.is_main:
+            checkpoint.save(path, {
+                "model": checkpoint.plain_module(self.model).state_dict(),
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict() if self.sched is not None else None,
+                "progress": vars(progress).copy(),
+                "rng": torch.get_rng_state(),
+                "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
+            })
 
 
 def run(cfg: TrainConfig, d: Dist) -> float:
@@ -171,66 +222,32 @@ def run(cfg: TrainConfig, d: Dist) -> float:
                                    seed=cfg.seed, **common)
     test_batches = ShardedBatches(data.test.images, data.test.labels, cfg.eval_batch_size, shuffle=False,
                                   pad=False, **common)
-    steps_per_epoch = len(train_batches)
 
     model = ConvNet().to(d.device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, sched = build_optimizer(cfg, model, steps_per_epoch * cfg.epochs)
+    opt, sched = build_optimizer(cfg, model, len(train_batches) * cfg.epochs)
     progress = _resume(cfg, d, model, opt, sched, report) if cfg.resume else Progress()
-    net = wrap(model, cfg, d)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
-    ckpt_path = out / "checkpoint.pt"
+    loop = _Loop(cfg, d, model, wrap(model, cfg, d), opt, sched, report)
 
     result = None
     for epoch in range(progress.epoch, cfg.epochs):
-        train_batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        sync(d.device)
-        start, seen_before = time.perf_counter(), progress.seen
-        loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last all-reduce
-        seen_here = 0
-        batches = report.bar(train_batches.iterate(skip=progress.step), steps_per_epoch,
-                             f"epoch {epoch + 1}/{cfg.epochs}", initial=progress.step)
-        for x, y in batches:
-            with autocast(d.device, cfg.amp):
-                loss = F.cross_entropy(net(x), y, label_smoothing=cfg.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
-            scaler.step(opt)
-            scaler.update()
-            if sched is not None:
-                sched.step()
-            loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
-            seen_here += len(y)
-            progress.step += 1
-            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 \
-                    and progress.step < steps_per_epoch:
-                _fold(d, progress, loss_sum, seen_here)
-                loss_sum.zero_()
-                seen_here = 0
-                average_buffers(model, d)
-                _save(ckpt_path, d, cfg, model, opt, sched, progress)
-        _fold(d, progress, loss_sum, seen_here)
-        average_buffers(model, d)
-        sync(d.device)
-        train_seconds = time.perf_counter() - start
+        seen_before, start = progress.seen, time.perf_counter()
+        train_seconds = loop.train_epoch(train_batches, epoch, progress)
         result = evaluate(model, test_batches, d, cfg.amp)
-        epoch_seconds = time.perf_counter() - start
-
-        metrics = {
+        report.epoch({
             "epoch": epoch + 1, "epochs": cfg.epochs,
             "train_loss": progress.loss_sum / max(progress.seen, 1),
             "test_loss": result.loss, "test_accuracy": result.accuracy,
             "test_correct": result.correct, "test_count": result.count,
             "images_per_second": (progress.seen - seen_before) / train_seconds if train_seconds > 0 else math.nan,
-            "epoch_seconds": epoch_seconds, "lr": opt.param_groups[0]["lr"], "world_size": d.world_size,
-            "batch_size": cfg.batch_size, "dataset": data.name,
-        }
-        report.epoch(metrics, result.confusion, data.classes)
+            "epoch_seconds": time.perf_counter() - start, "lr": opt.param_groups[0]["lr"],
+            "world_size": d.world_size, "batch_size": cfg.batch_size, "dataset": data.name,
+        }, result.confusion, data.classes)
         progress = Progress(epoch=epoch + 1, best_accuracy=max(progress.best_accuracy, result.accuracy))
-        _save(ckpt_path, d, cfg, model, opt, sched, progress)
+        loop.save(loop.ckpt_path, progress)
         if result.accuracy >= progress.best_accuracy:
-            _save(out / "best.pt", d, cfg, model, opt, sched, progress)
+            loop.save(out / "best.pt", progress)
 
     if result is None:  # resumed a finished run: nothing left to train, so just report
         result = evaluate(model, test_batches, d, cfg.amp)
