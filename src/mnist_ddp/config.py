@@ -129,10 +129,6 @@ class TrainConfig:
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")
         _check(self.nodes == 1 or bool(self.master_port),
                "with -n/--nodes above 1 every node needs the same port: pass --master-port or set MASTER_PORT.")
-        if self.device == "cpu" or self.device == "mps":
-            _check(not self.sync_bn, f"--sync-bn needs CUDA GPUs (nccl); it does nothing useful on {self.device}.")
-            _check(self.amp != "fp16", f"--amp fp16 needs CUDA; use --amp bf16 on {self.device}.")
-            _check(self.backend != "nccl", f"--backend nccl needs CUDA GPUs; use gloo on {self.device}.")
 
     @property
     def world_size(self) -> int:

@@ -95,13 +95,16 @@ def check_out_dir(out: Path, resume: bool) -> None:
 
 def preflight(cfg: TrainConfig) -> None:
     """Checks that need this machine, done once before any process starts."""
-    if cfg.sync_bn and not torch.cuda.is_available():
-        raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); there are none here.")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda and cfg.gpus > torch.cuda.device_count():
         raise UserError(f"-g/--gpus {cfg.gpus} asks for more GPUs than the {torch.cuda.device_count()} visible here.")
-    if not cuda and cfg.amp == "fp16":
-        raise UserError("--amp fp16 needs CUDA; use --amp bf16 on the CPU.")
+    if not cuda:  # asked for explicitly (--device cpu/mps) or because there is no GPU
+        if cfg.sync_bn:
+            raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")
+        if cfg.amp == "fp16":
+            raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
+        if cfg.backend == "nccl":
+            raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
