@@ -77,11 +77,15 @@ class ShardedBatches:
             order = order.pin_memory().to(self.device, non_blocking=True)
         for lo in range(skip * self.batch_size, len(order), self.batch_size):
             idx = order[lo : lo + self.batch_size]
-            yield self._prepare(self.images[idx]), self.labels[idx]
+            yield model_input(self.images[idx], self.normalize, self.channels_last), self.labels[idx]
 
-    def _prepare(self, raw: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, 28, 28) -> float (B, 1, 28, 28), scaled to [0, 1] and normalised."""
-        x = raw.unsqueeze(1).float()
-        # (x / 255 - MEAN) / STD as one multiply and one subtract: two passes over the batch, not three.
-        x = x.mul_(1 / (255 * STD)).sub_(MEAN / STD) if self.normalize else x.div_(255)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+def model_input(raw: torch.Tensor, normalize: bool, channels_last: bool = False) -> torch.Tensor:
+    """uint8 (B, 28, 28) -> float (B, 1, 28, 28), scaled to [0, 1] and, if `normalize`, normalised.
+
+    The one definition of what the ConvNet sees, for training, evaluation and `predict` alike.
+    """
+    x = raw.unsqueeze(1).float()
+    # (x / 255 - MEAN) / STD as one multiply and one subtract: two passes over the batch, not three.
+    x = x.mul_(1 / (255 * STD)).sub_(MEAN / STD) if normalize else x.div_(255)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x

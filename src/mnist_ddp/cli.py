@@ -27,8 +27,6 @@ from .config import (
 from .datasets import DATASETS
 from .errors import UserError
 
-COMMANDS = ("train", "evaluate", "predict", "bench")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (not a usage dump) and still exit code 2."""

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, datasets, idx, png
-from .batches import MEAN, STD, ShardedBatches
+from .batches import ShardedBatches, model_input
 from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
 from .errors import UserError
@@ -58,13 +58,10 @@ def run_predict(cfg: PredictConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0)
     model.to(device).eval()
-    source = datasets.SOURCES.get(_trained_on(ckpt))
-    classes = source.classes if source else tuple("0123456789")
+    classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits
     for name in cfg.files:
         images = _images(Path(name))
-        x = images.to(device).unsqueeze(1).float() / 255
-        if _normalizes(ckpt):
-            x = (x - MEAN) / STD
+        x = model_input(images.to(device), _normalizes(ckpt))
         with torch.inference_mode():
             probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
         top = probs.topk(cfg.top, dim=1)
