@@ -1,6 +1,6 @@
 """A/B of the compute settings in one process: fp32 vs bf16 autocast, NCHW vs channels_last (and --compile).
 
-The evidence behind compute.resolve's defaults. Every setting trains its own model on the same
+The evidence behind compute.py's defaults (amp_for, channels_last_for). Every setting trains its own model on the same
 batches, in interleaved rounds (A B C D A B C D …), so a neighbour's load hits all of them alike;
 the median and best round are printed. Full training steps from the real pieces: ShardedBatches,
 ConvNet, train.build_optimizer (the default recipe). Prints; asserts nothing.
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from mnist_ddp import train
 from mnist_ddp.batches import ShardedBatches
-from mnist_ddp.config import TrainConfig
-from mnist_ddp.evaluation import autocast
+from mnist_ddp.compute import autocast
+from mnist_ddp.config import RECIPES
 from mnist_ddp.model import ConvNet
 
 
@@ -42,13 +42,13 @@ def main() -> None:
     images, labels = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,))
     settings = [(amp, cl, False) for amp, cl in itertools.product(("off", "bf16"), (False, True))]
     settings += [("bf16", True, True)] if args.compile else []
-    cfg = replace(TrainConfig().resolve(), scheduler="none")  # the default optimizer; a schedule costs nothing
+    recipe = replace(RECIPES["default"], scheduler="none")  # the default optimizer; a schedule costs nothing
     runs = []
     for amp, channels_last, compiled in settings:
         model = ConvNet().to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        opt, _ = train.build_optimizer(cfg, model, 1)
+        opt, _ = train.build_optimizer(recipe, model, 1)
         batches = ShardedBatches(images, labels, args.batch_size, rank=0, world=1, device=device, shuffle=True,
                                  channels_last=channels_last)
         name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "")

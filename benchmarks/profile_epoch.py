@@ -21,11 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, train
+from mnist_ddp import compute, datasets, distributed, identity, rendezvous, train
 from mnist_ddp.batches import ShardedBatches
-from mnist_ddp.config import TrainConfig
-from mnist_ddp.distributed import Dist
-from mnist_ddp.evaluation import autocast
+from mnist_ddp.compute import autocast
+from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.model import ConvNet
 
 PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
@@ -33,29 +32,26 @@ PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
 
 def _load(name: str) -> datasets.Dataset:
     try:
-        return datasets.load(datasets.DataRequest(name, download=False))
+        return datasets.load(DataConfig(name, download=False))
     except datasets.DataNotFound:
-        return datasets.load(datasets.DataRequest("synthetic"))
+        return datasets.load(DataConfig("synthetic"))
 
 
 def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
     device = torch.device(args.device)
-    compute.share_cores(rank, world)  # as distributed.setup does
+    compute.share_cores(rank, world)  # as launch.run_worker does
     if args.threads:
         torch.set_num_threads(args.threads)
-    if world > 1:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world, timeout=timedelta(seconds=120))
-    cfg = compute.resolve(TrainConfig(amp=args.amp, channels_last=args.channels_last).resolve(), device)
-    d = Dist(rank, rank, world, world, device)
+    d = distributed.setup(identity.spawned(0, rank, world, 1, "127.0.0.1", port), device, None, 120)
+    cfg = TrainConfig(recipe=recipe("default", amp=args.amp), channels_last=args.channels_last)
+    amp, channels_last = compute.amp_for(cfg.recipe.amp, device), compute.channels_last_for(cfg.channels_last, device)
     data = _load(args.dataset)
-    batches = ShardedBatches(data.train.images, data.train.labels, cfg.batch_size, rank=rank, world=world,
-                             device=device, shuffle=True, channels_last=cfg.channels_last)
+    batches = ShardedBatches(data.train.images, data.train.labels, cfg.recipe.batch_size, rank=rank, world=world,
+                             device=device, shuffle=True, channels_last=channels_last)
     model = ConvNet().to(device)
-    if cfg.channels_last:
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, sched = train.build_optimizer(cfg, model, len(batches))
+    opt, sched = train.build_optimizer(cfg.recipe, model, len(batches))
     net = train.wrap(model, cfg, d)
     reduce_seconds: list[float] = []
     if world > 1:
@@ -85,7 +81,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         t0 = tick()
         x, y = next(it)
         t1 = tick()
-        with autocast(device, cfg.amp):
+        with autocast(device, amp):
             loss = F.cross_entropy(net(x), y)
         t2 = tick()
         opt.zero_grad(set_to_none=True)
@@ -101,15 +97,14 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
     totals["all-reduce"] = sum(reduce_seconds)
     totals["backward"] -= totals["all-reduce"]  # backward() waited for it: one bucket, nothing overlaps
     results.put((rank, {k: v / args.steps for k, v in totals.items()}, wall / args.steps, torch.get_num_threads(),
-                 cfg.amp, cfg.channels_last, cfg.batch_size))
-    if world > 1:
-        dist.destroy_process_group()
+                 amp, channels_last, cfg.recipe.batch_size))
+    distributed.teardown(together=True)
 
 
 def run(world: int, args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if world > 1 else None
+    store = rendezvous.host_store("127.0.0.1", 0, world, timedelta(seconds=120)) if world > 1 else None
     mp.start_processes(_profile, args=(world, args, store.port if store else 0, results), nprocs=world,
                        start_method="spawn")
     got = sorted(results.get() for _ in range(world))

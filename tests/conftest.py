@@ -1,28 +1,41 @@
-"""Shared test helpers: run the real CLI in a subprocess, on tiny synthetic data."""
+"""Shared test helpers: run the real CLI in a subprocess on tiny synthetic data, read what it left,
+and join real gloo process groups the way `mnist-ddp train -g N` does."""
 
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mnist_ddp import checkpoint, distributed, identity, rendezvous
+from mnist_ddp.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MNIST_T10K = SHARED / "data" / "mnist-t10k"
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
-# A run that takes a few seconds: 800 synthetic training images, one epoch.
-TINY = ["--dataset", "synthetic", "--train-samples", "800", "--test-samples", "200", "--epochs", "1",
-        "--no-progress", "--no-plots"]
+
+def tiny(train: int = 800, test: int = 200, epochs: int | None = 1) -> list[str]:
+    """The data and output flags of a run that takes seconds (`epochs` None: the recipe's)."""
+    args = ["--dataset", "synthetic", "--train-samples", str(train), "--test-samples", str(test),
+            "--no-progress", "--no-plots"]
+    return args + (["--epochs", str(epochs)] if epochs else [])
+
+
+TINY = tiny()  # 800 synthetic training images, one epoch
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child: no inherited launcher variables, src/ importable."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env = identity.without_launcher_vars(os.environ)
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     return env | (extra or {})
@@ -37,6 +50,32 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 180, env: dict
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def progress(out: Path) -> dict[str, Any] | None:
+    """The progress saved in `<out>/checkpoint.pt`, or None before the first save."""
+    try:
+        return checkpoint.load(out / "checkpoint.pt")["progress"]
+    except UserError:
+        return None
+
+
+def _gloo_rank(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    ident = identity.spawned(0, rank, world, 1, "127.0.0.1", port)
+    d = distributed.setup(ident, torch.device("cpu"), "gloo", 60)
+    try:
+        fn(d, *args)
+    finally:
+        distributed.teardown(together=False)
+
+
+def spawn_gloo(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """`fn(d: Dist, *args)` in `world` spawned processes joined into one gloo group, as `-g world` joins them
+    (`fn` must be a module-level function, so that the children can import it)."""
+    store = rendezvous.host_store("127.0.0.1", 0, world, timedelta(seconds=60))
+    mp.spawn(_gloo_rank, args=(fn, world, store.port, args), nprocs=world, join=True)
+    del store
 
 
 @pytest.fixture

@@ -18,15 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_cli
+from conftest import run_cli, tiny
 from mnist_ddp import checkpoint, cli, launch
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.errors import UserError
+from mnist_ddp.identity import without_launcher_vars
 from mnist_ddp.model import ConvNet
 from procfs import finish, free_port, marked_env, reaped, start
 
-TRAIN = ["train", "--dataset", "synthetic", "--train-samples", "200", "--test-samples", "50", "--no-progress",
-         "--no-plots"]
+TRAIN = ["train", *tiny(200, 50, epochs=None)]
 MARKER = "code-ran"  # the file the hostile pickle tries to create
 
 
@@ -146,9 +146,8 @@ def _fingerprint(folder: Path) -> dict[str, str]:
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
     """No launcher variables from the outside; the test's folder as working directory."""
-    for name in list(os.environ):
-        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith("SLURM_"):
-            monkeypatch.delenv(name)
+    for name in set(os.environ) - set(without_launcher_vars(os.environ)):
+        monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # training in this process: one thread, as the children get
     threads = torch.get_num_threads()

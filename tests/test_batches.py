@@ -5,19 +5,18 @@ import torch
 
 from mnist_ddp import compute
 from mnist_ddp.batches import MEAN, STD, ShardedBatches, shard_indices, shard_size
-from mnist_ddp.config import TrainConfig
+from mnist_ddp.config import RECIPES
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("pad", [True, False])
-@pytest.mark.parametrize("drop_last", [True, False])
-def test_shard_size_is_the_length_of_the_shard(pad: bool, drop_last: bool) -> None:
+def test_shard_size_is_the_length_of_the_shard(pad: bool) -> None:
     for n in (1, 2, 3, 7, 10, 11, 100):
         for world in (1, 2, 3, 4):
             for rank in range(world):
-                got = shard_size(n, rank, world, drop_last=drop_last, pad=pad)
-                want = len(shard_indices(n, rank, world, shuffle=True, seed=1, epoch=0, drop_last=drop_last, pad=pad))
+                got = shard_size(n, rank, world, pad=pad)
+                want = len(shard_indices(n, rank, world, shuffle=True, seed=1, epoch=0, pad=pad))
                 assert got == want, (n, rank, world)
 
 
@@ -44,14 +43,13 @@ def test_batches_are_normalised_floats_in_nchw_shape(channels_last: bool) -> Non
 
 
 def test_compute_defaults_follow_the_device_and_explicit_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    auto = TrainConfig().resolve()  # the default recipe asks for amp "auto"
+    auto = RECIPES["default"].amp
+    assert auto == "auto"  # the default recipe leaves the precision to the device
     monkeypatch.setattr(compute, "cpu_has_fast_bf16", lambda: True)
-    assert (compute.resolve(auto, CPU).amp, compute.resolve(auto, CPU).channels_last) == ("bf16", True)
-    assert compute.resolve(TrainConfig(recipe="tutorial").resolve(), CPU).amp == "off"  # the tutorial's fp32
+    assert (compute.amp_for(auto, CPU), compute.channels_last_for(None, CPU)) == ("bf16", True)
+    assert compute.amp_for(RECIPES["tutorial"].amp, CPU) == "off"  # the tutorial's fp32
     monkeypatch.setattr(compute, "cpu_has_fast_bf16", lambda: False)
-    assert compute.resolve(auto, CPU).amp == "off"  # emulated bf16 would be slower than fp32
-    for device in ("cuda", "mps"):
-        resolved = compute.resolve(auto, torch.device(device))
-        assert (resolved.amp, resolved.channels_last) == ("off", False)
-    explicit = TrainConfig(amp="bf16", channels_last=False)
-    assert (compute.resolve(explicit, CPU).amp, compute.resolve(explicit, CPU).channels_last) == ("bf16", False)
+    assert compute.amp_for(auto, CPU) == "off"  # emulated bf16 would be slower than fp32
+    for device in map(torch.device, ("cuda", "mps")):
+        assert (compute.amp_for(auto, device), compute.channels_last_for(None, device)) == ("off", False)
+    assert (compute.amp_for("bf16", CPU), compute.channels_last_for(False, CPU)) == ("bf16", False)

@@ -1,10 +1,12 @@
 """Bad command lines: each is one clear line on stderr and exit code 2, before any work or any file."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_env, run_cli, tiny
 from mnist_ddp import cli
 
 # (flags added to a good tiny `train` command line, words the one-line error must contain)
@@ -59,8 +61,7 @@ def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 def _train(tmp_path: Path, *flags: str) -> list[str]:
-    return ["train", "--dataset", "synthetic", "--train-samples", "100", "--test-samples", "100",
-            "--no-download", "--no-progress", "--no-plots", "--out", str(tmp_path / "run"), *flags]
+    return ["train", *tiny(100, 100, epochs=None), "--no-download", "--out", str(tmp_path / "run"), *flags]
 
 
 @pytest.mark.parametrize(("flags", "said"), BAD_TRAIN, ids=[" ".join(f) for f, _ in BAD_TRAIN])
@@ -101,3 +102,11 @@ def test_the_real_entry_point(tmp_path: Path) -> None:
     assert r.stderr.strip() == "mnist-ddp: error: --epochs must be at least 1, not 0."
     ok = run_cli("train", "--help", cwd=tmp_path, timeout=120)
     assert ok.returncode == 0 and "--master-addr" in ok.stdout and "(default: 1)" in ok.stdout
+
+
+def test_arguments_are_checked_before_torch_is_imported() -> None:
+    """`--help` and a bad flag answer at once: the CLI and the configs import no torch (seconds to load)."""
+    probe = ("import sys; from mnist_ddp import cli; rc = cli.main(['train', '--epochs', '0']); "
+             "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr

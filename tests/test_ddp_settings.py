@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import cli_env
+from conftest import cli_env, spawn_gloo
 from mnist_ddp import train
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
@@ -20,24 +18,19 @@ from mnist_ddp.model import ConvNet
 WORLD = 2
 
 
-def _rank(rank: int, rendezvous: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        model = ConvNet()
-        net = train.wrap(model, TrainConfig().resolve(), Dist(rank, rank, WORLD, WORLD, torch.device("cpu")))
-        for step in range(3):  # each rank its own data, so its own BatchNorm statistics
-            net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * rank + step))).sum().backward()
-        before = {k: v.clone() for k, v in model.named_buffers()}
-        train.average_buffers(model, Dist(rank, rank, WORLD, WORLD, torch.device("cpu")))
-        torch.save({"before": before, "after": dict(model.named_buffers())}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank(d: Dist, out: str) -> None:
+    torch.manual_seed(0)
+    model = ConvNet()
+    net = train.wrap(model, TrainConfig(), d)
+    for step in range(3):  # each rank its own data, so its own BatchNorm statistics
+        net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * d.rank + step))).sum().backward()
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    train.average_buffers(model, d)
+    torch.save({"before": before, "after": dict(model.named_buffers())}, os.path.join(out, f"rank{d.rank}.pt"))
 
 
 def test_buffers_stay_per_rank_while_training_and_are_averaged_on_request(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_gloo(_rank, WORLD, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
     name = "layer1.1.running_mean"
     assert not torch.allclose(r0["before"][name], r1["before"][name])  # no broadcast before each forward

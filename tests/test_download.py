@@ -17,6 +17,7 @@ import torch
 from conftest import cli_env, run_cli
 from datafiles import ONE_THREAD, make_splits, md5s, source_for, write_files
 from mnist_ddp import datasets
+from mnist_ddp.config import DataConfig
 from mnist_ddp.download import DownloadError, fetch
 from mnist_ddp.errors import UserError
 
@@ -88,8 +89,8 @@ def published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: Server) -
     return files
 
 
-def _request(**kw: object) -> datasets.DataRequest:
-    return datasets.DataRequest("mnist", **{"download_timeout": 10.0, **kw})  # type: ignore[arg-type]
+def _request(**kw: object) -> DataConfig:
+    return DataConfig("mnist", **{"download_timeout": 10.0, **kw})  # type: ignore[arg-type]
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -172,12 +173,13 @@ _CHILD = """
 import sys, time
 from pathlib import Path
 from mnist_ddp import datasets
+from mnist_ddp.config import DataConfig
 source, url, me, other = datasets.Source(**eval(sys.argv[1])), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 datasets.SOURCES["mnist"] = source
 me.touch()
 while not other.exists():
     time.sleep(0.01)
-data = datasets.load(datasets.DataRequest("mnist", mirrors=(url,), download_timeout=30))
+data = datasets.load(DataConfig("mnist", mirrors=(url,), download_timeout=30))
 print(int(data.train.labels.sum()), int(data.test.labels.sum()), data.where)
 """
 
@@ -234,15 +236,15 @@ def test_auto_does_not_hide_a_corrupt_mnist(tmp_path: Path, monkeypatch: pytest.
     files = write_files(tmp_path / "data" / "mnist", make_splits())
     files["t10k-images-idx3-ubyte.gz"].write_bytes(b"junk")
     with pytest.raises(UserError, match=re.escape("t10k-images-idx3-ubyte.gz")):
-        datasets.load(datasets.DataRequest("auto", download=False))
+        datasets.load(DataConfig("auto", download=False))
 
 
 def test_explicit_mnist_never_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(datasets, "SYSTEM_DIRS", ())
     with pytest.raises(datasets.DataNotFound, match="downloads are off"):
-        datasets.load(datasets.DataRequest("mnist", download=False))
-    assert datasets.load(datasets.DataRequest("auto", download=False, train_samples=10, test_samples=10)).name \
+        datasets.load(DataConfig("mnist", download=False))
+    assert datasets.load(DataConfig("auto", download=False, train_samples=10, test_samples=10)).name \
         == "synthetic"
 
 
@@ -257,7 +259,7 @@ def test_lookup_layouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout:
     monkeypatch.setattr(datasets, "SYSTEM_DIRS", ())
     folder = tmp_path / layout.format(d="given")
     write_files(folder, _distinct(1), gz=gz)
-    data = datasets.load(datasets.DataRequest("mnist", data_dir=Path("given"), download=False))
+    data = datasets.load(DataConfig("mnist", data_dir=Path("given"), download=False))
     assert Path(data.where).resolve() == folder and len(data.train.labels) == 9
 
 
@@ -269,7 +271,7 @@ def test_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for seed, place in enumerate(places):
         write_files(tmp_path / place, _distinct(seed))
     for seed, place in enumerate(places):
-        data = datasets.load(datasets.DataRequest("mnist", data_dir=Path("given"), download=False))
+        data = datasets.load(DataConfig("mnist", data_dir=Path("given"), download=False))
         assert Path(data.where).resolve() == tmp_path / place and len(data.train.labels) == 8 + seed
         for path in (tmp_path / place).iterdir():
             path.unlink()
@@ -281,9 +283,9 @@ def test_flat_data_folder_is_not_taken_for_a_dataset(tmp_path: Path, monkeypatch
     monkeypatch.setattr(datasets, "SYSTEM_DIRS", ())
     write_files(tmp_path / "data", _distinct(0))
     with pytest.raises(datasets.DataNotFound):
-        datasets.load(datasets.DataRequest("fashion-mnist", download=False))
+        datasets.load(DataConfig("fashion-mnist", download=False))
     write_files(tmp_path / "data" / "FashionMNIST" / "raw", _distinct(2))
-    assert len(datasets.load(datasets.DataRequest("fashion-mnist", download=False)).train.labels) == 10
+    assert len(datasets.load(DataConfig("fashion-mnist", download=False)).train.labels) == 10
 
 
 def test_test_only_needs_only_the_t10k_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,6 +293,6 @@ def test_test_only_needs_only_the_t10k_files(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(datasets, "SYSTEM_DIRS", ())
     write_files(tmp_path / "t10k", _distinct(0), only=("test",))
     with pytest.raises(datasets.DataNotFound):
-        datasets.load(datasets.DataRequest("mnist", data_dir=tmp_path / "t10k", download=False))
-    data = datasets.load(datasets.DataRequest("mnist", data_dir=tmp_path / "t10k", download=False, test_only=True))
+        datasets.load(DataConfig("mnist", data_dir=tmp_path / "t10k", download=False))
+    data = datasets.load(DataConfig("mnist", data_dir=tmp_path / "t10k", download=False, test_only=True))
     assert len(data.test.labels) == 4 and len(data.train.labels) == 0

@@ -15,27 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics
+from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
 from procfs import children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 
 pytestmark = needs_proc
 
-TINY = ["--dataset", "synthetic", "--test-samples", "100", "--no-progress", "--no-plots"]
 HANG = 180  # seconds before a test calls a run hung: a hang detector, not a timing assertion
 
 
 def _train(out: Path, *extra: str, samples: int = 600) -> list[str]:
-    return ["mnist_ddp", "train", *TINY, "--train-samples", str(samples), "--out", str(out), *extra]
-
-
-def _progress(out: Path) -> tuple[int, int] | None:
-    """(epochs done, steps into the next) of <out>/checkpoint.pt, or None before the first save."""
-    try:
-        p = torch.load(out / "checkpoint.pt", weights_only=True)["progress"]
-    except (FileNotFoundError, RuntimeError, EOFError):
-        return None
-    return p["epoch"], p["step"]
+    return ["mnist_ddp", "train", *tiny(samples, 100, epochs=None), "--out", str(out), *extra]
 
 
 def _temp_files(out: Path) -> list[str]:
@@ -57,8 +47,8 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
                 for name, out in (("killed", killed), ("calm", calm))}
         # 30 steps per epoch per rank; a checkpoint every 4 steps: (1, 4) is the first save inside epoch 2,
         # and the kill lands before (2, 0), the end of epoch 2, with 26 steps to spare.
-        at = wait_for("a checkpoint inside epoch 2", lambda: (p := _progress(killed)) and p[0] == 1 and p[1] > 0 and p,
-                      HANG, 0.01, running=runs["killed"])
+        inside_epoch_2 = lambda: (p := progress(killed)) and p["epoch"] == 1 and p["step"] > 0 and p  # noqa: E731
+        at = wait_for("a checkpoint inside epoch 2", inside_epoch_2, HANG, 0.01, running=runs["killed"])
         workers = [pid for pid in children(runs["killed"].pid) if "RANK" in env_of(pid)]
         assert len(workers) == 2, workers
         rank0 = next(pid for pid in workers if env_of(pid)["RANK"] == "0")
@@ -69,7 +59,7 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
     log = results["killed"][1]
     assert f"resume: from {killed / 'checkpoint.pt'}, epoch 2 step" in log, log
     resumed_step = int(log.split(f"resume: from {killed / 'checkpoint.pt'}, epoch 2 step ")[1].split()[0])
-    assert resumed_step >= at[1]  # the restart picked up the newest checkpoint, not an older one
+    assert resumed_step >= at["step"]  # the restart picked up the newest checkpoint, not an older one
     assert "resume:" not in results["calm"][1].replace("resume: no checkpoint", "")
     # Nothing was repeated in the record, and the end is the same as if nothing had happened.
     assert [m["epoch"] for m in metrics(killed)] == [1, 2, 3]
@@ -188,14 +178,14 @@ def test_survivor_of_a_dead_or_frozen_peer_exits_with_a_clear_error(tmp_path: Pa
                                 env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path, tmp_path / f"{how}{r}.log")
                           for r in range(2)]
         for how, (_, rank1) in pairs.items():
-            wait_for(f"{how} pair to train", lambda out=tmp_path / how: _progress(out), HANG, running=rank1)
+            wait_for(f"{how} pair to train", lambda out=tmp_path / how: progress(out), HANG, running=rank1)
             os.kill(rank1.pid, getattr(signal, how))
         for how, (rank0, rank1) in pairs.items():
             rc, log = finish(rank0, tmp_path / f"{how}0.log", HANG)
             assert rc == 1, f"{how}: {log}"
             assert "rank 0 lost contact with the other processes" in log and "--resume" in log, f"{how}: {log}"
             assert "Traceback" not in log, log
-            assert _progress(tmp_path / how) is not None  # the last checkpoint still loads
+            assert progress(tmp_path / how) is not None  # the last checkpoint still loads
             os.kill(rank1.pid, signal.SIGKILL)
             rank1.wait()
 
@@ -207,14 +197,14 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
     with reaped(mark):
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
-        wait_for("training", lambda: _progress(out), HANG, running=parent)
+        wait_for("training", lambda: progress(out), HANG, running=parent)
         victim = next(pid for pid in children(parent.pid) if "MNIST_DDP_TEST_MARK" in env_of(pid)
                       and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log
     assert "was killed by SIGKILL" in log and "--resume" in log, log
-    assert _progress(out) is not None
+    assert progress(out) is not None
 
 
 # --- Ctrl-C and SIGTERM: the whole job stops, cleanly --------------------------------------------------
@@ -233,7 +223,7 @@ def test_interrupt_tears_down_every_process_and_keeps_the_checkpoint(tmp_path: P
             jobs[how] = (out, start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "1")],
                                     env, tmp_path, tmp_path / f"{how.split()[0]}.log"))
         for how, (out, proc) in jobs.items():
-            wait_for(f"{how}: training", lambda out=out: _progress(out), HANG, running=proc)
+            wait_for(f"{how}: training", lambda out=out: progress(out), HANG, running=proc)
             signum, group, _ = signals[how]
             (os.killpg if group else os.kill)(proc.pid, signum)
         for how, (out, proc) in jobs.items():
@@ -241,6 +231,6 @@ def test_interrupt_tears_down_every_process_and_keeps_the_checkpoint(tmp_path: P
             assert rc == signals[how][2], f"{how}: {log}"
             assert rc < 0 or "mnist-ddp: interrupted." in log, f"{how}: {log}"
             assert "Traceback" not in log, f"{how}: {log}"
-            assert _progress(out) is not None, how  # checkpoint.pt loads
+            assert progress(out) is not None, how  # checkpoint.pt loads
     for how, (out, _) in jobs.items():  # every process is gone: an interrupted save removed its temp file
         assert _temp_files(out) == [], how

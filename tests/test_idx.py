@@ -12,6 +12,7 @@ import torch
 from conftest import run_cli
 from datafiles import ONE_THREAD, make_splits, write_files
 from mnist_ddp import datasets, idx
+from mnist_ddp.config import DataConfig
 from mnist_ddp.errors import UserError
 
 
@@ -78,7 +79,7 @@ def test_corrupt_file_is_a_user_error_naming_it(tmp_path: Path, case: str, name:
 
 
 def _load(folder: Path) -> datasets.Dataset:
-    return datasets.load(datasets.DataRequest("mnist", data_dir=folder, download=False))
+    return datasets.load(DataConfig("mnist", data_dir=folder, download=False))
 
 
 @pytest.fixture

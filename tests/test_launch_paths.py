@@ -4,7 +4,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-from conftest import TINY, metrics, run_cli
+from conftest import metrics, run_cli, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint
 
@@ -14,9 +14,7 @@ TEST_SAMPLES = 150  # not a multiple of the world size: the eval shards are unev
 
 
 def _args(out: Path) -> list[str]:
-    tiny = list(TINY)
-    tiny[tiny.index("--test-samples") + 1] = str(TEST_SAMPLES)
-    return ["train", *tiny, "--out", str(out)]
+    return ["train", *tiny(test=TEST_SAMPLES), "--out", str(out)]
 
 
 def _check_run(out: Path, stdout: str, world: int) -> None:

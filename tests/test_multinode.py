@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics
+from conftest import metrics, tiny
 from procfs import finish, marked_env, reaped, start
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
-ARGS = ["train", "--dataset", "synthetic", "--train-samples", "1200", "--test-samples", "200", "--epochs", "2",
-        "--seed", "3", "--no-progress", "--no-plots", "--timeout", "90"]
+ARGS = ["train", *tiny(1200, 200, epochs=2), "--seed", "3", "--timeout", "90"]
 RUN_TIMEOUT = 240  # seconds; generous, the box is shared: a hang detector, not a timing assertion
 
 

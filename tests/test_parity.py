@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import spawn_gloo
 from datafiles import one_thread
 from mnist_ddp import train
 from mnist_ddp.batches import shard_indices
-from mnist_ddp.config import TrainConfig
+from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
 
@@ -32,8 +31,9 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _config(optimizer: str) -> TrainConfig:
-    return TrainConfig(optimizer=optimizer, lr=0.05, momentum=0.9, weight_decay=1e-4, scheduler="onecycle",
-                       batch_size=HALF, epochs=1, normalize=True, label_smoothing=0.0).resolve()
+    return TrainConfig(recipe=recipe("default", optimizer=optimizer, lr=0.05, momentum=0.9, weight_decay=1e-4,
+                                     scheduler="onecycle", batch_size=HALF, epochs=1, normalize=True,
+                                     label_smoothing=0.0))
 
 
 def _batch(rank: int, step: int, epoch: int) -> torch.Tensor:
@@ -49,34 +49,29 @@ def _steps() -> list[tuple[int, int]]:
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def _rank(rank: int, rendezvous: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        for optimizer in OPTIMIZERS:
-            torch.manual_seed(rank)  # different initial weights per rank: DDP must broadcast rank 0's
-            model = ConvNet()
-            cfg = _config(optimizer)
-            net = train.wrap(model, cfg, Dist(rank, rank, WORLD, WORLD, CPU))
-            assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
-            opt, sched = train.build_optimizer(cfg, model, len(_steps()))
-            x, y = _data()
-            for epoch, step in _steps():
-                i = _batch(rank, step, epoch)
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(net(x[i]), y[i]).backward()
-                opt.step()
-                sched.step()
-            torch.save(model.state_dict(), os.path.join(out, f"{optimizer}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank(d: Dist, out: str) -> None:
+    for optimizer in OPTIMIZERS:
+        torch.manual_seed(d.rank)  # different initial weights per rank: DDP must broadcast rank 0's
+        model = ConvNet()
+        cfg = _config(optimizer)
+        net = train.wrap(model, cfg, d)
+        assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
+        opt, sched = train.build_optimizer(cfg.recipe, model, len(_steps()))
+        x, y = _data()
+        for epoch, step in _steps():
+            i = _batch(d.rank, step, epoch)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x[i]), y[i]).backward()
+            opt.step()
+            sched.step()
+        torch.save(model.state_dict(), os.path.join(out, f"{optimizer}-rank{d.rank}.pt"))
 
 
 def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # rank 0's initial weights
     model = ConvNet()
     cfg = _config(optimizer)
-    opt, sched = train.build_optimizer(cfg, model, len(_steps()))
+    opt, sched = train.build_optimizer(cfg.recipe, model, len(_steps()))
     x, y = _data()
     for epoch, step in _steps():
         opt.zero_grad(set_to_none=True)
@@ -92,7 +87,7 @@ def _reference(optimizer: str) -> dict[str, torch.Tensor]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both optimizers trained by 2 spawned gloo ranks (one spawn: starting processes is the slow part)."""
     out = tmp_path_factory.mktemp("parity")
-    mp.spawn(_rank, args=(str(out / "rendezvous"), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(_rank, WORLD, str(out))
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 from conftest import FASHION, MNIST_T10K
 from datafiles import one_thread
 from mnist_ddp import cli, datasets
+from mnist_ddp.config import DataConfig
 from mnist_ddp.model import ConvNet
 
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
@@ -47,7 +48,7 @@ def test_mnist_t10k_checksums_are_the_published_ones() -> None:
 
 @needs_t10k
 def test_mnist_test_split_reads_correctly() -> None:
-    data = datasets.load(datasets.DataRequest("mnist", data_dir=MNIST_T10K, download=False, test_only=True))
+    data = datasets.load(DataConfig("mnist", data_dir=MNIST_T10K, download=False, test_only=True))
     assert data.name == "mnist" and data.where == str(MNIST_T10K)
     images, labels = data.test.images, data.test.labels
     assert images.shape == (10_000, 28, 28) and images.dtype == torch.uint8
@@ -60,7 +61,7 @@ def test_mnist_test_split_reads_correctly() -> None:
 def test_training_needs_the_train_files_too() -> None:
     """mnist-t10k holds only the test split: a training load says so instead of half-working."""
     with pytest.raises(datasets.DataNotFound, match="mnist was not found"):
-        datasets.load(datasets.DataRequest("mnist", data_dir=MNIST_T10K, download=False))
+        datasets.load(DataConfig("mnist", data_dir=MNIST_T10K, download=False))
 
 
 @needs_t10k
@@ -73,7 +74,7 @@ def test_evaluate_runs_on_the_test_files_alone(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     m = re.search(r"\((\d+)/(\d+)\) on mnist \(" + re.escape(str(MNIST_T10K)) + r"\)", out)
     assert m and int(m[2]) == 10_000, out
-    test = datasets.load(datasets.DataRequest("mnist", data_dir=MNIST_T10K, download=False, test_only=True)).test
+    test = datasets.load(DataConfig("mnist", data_dir=MNIST_T10K, download=False, test_only=True)).test
     with torch.inference_mode():
         correct = int((model(test.images.unsqueeze(1).float() / 255).argmax(1) == test.labels).sum())
     assert int(m[1]) == correct  # every image counted once, scored like the model scores it
@@ -83,7 +84,7 @@ def test_evaluate_runs_on_the_test_files_alone(tmp_path: Path, capsys: pytest.Ca
 @needs_fashion
 def test_fashion_mnist_from_the_system_folder() -> None:
     """Debian re-compresses the files (so their .gz MD5s differ from the published ones): check the content."""
-    data = datasets.load(datasets.DataRequest("fashion-mnist", download=False))  # found via /usr/share/datasets
+    data = datasets.load(DataConfig("fashion-mnist", download=False))  # found via /usr/share/datasets
     assert Path(data.where) == FASHION and data.classes[9] == "Ankle boot"
     assert torch.bincount(data.train.labels).tolist() == [6000] * 10
     assert torch.bincount(data.test.labels).tolist() == [1000] * 10

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, cli_env, metrics, run_cli
+from conftest import cli_env, metrics, progress, run_cli, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, cli
-from mnist_ddp.errors import UserError
 
 EPOCHS = ["--epochs", "2"]
-ARGS = [*[a for a in TINY if a not in ("--epochs", "1")], *EPOCHS]  # 800 images: 8 steps per epoch
+ARGS = [*tiny(epochs=None), *EPOCHS]  # 800 images: 8 steps per epoch
 
 
 def _train(out: Path, *extra: str) -> list[str]:
@@ -57,20 +56,13 @@ def _assert_trained_only_epoch_2(stdout: str) -> None:
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch ")] == ["2/2"], stdout
 
 
-def _progress(path: Path) -> dict | None:
-    try:
-        return checkpoint.load(path)["progress"]
-    except UserError:  # not written yet
-        return None
-
-
 def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "B"
     run = subprocess.Popen([sys.executable, "-m", "mnist_ddp", *_train(out)], cwd=tmp_path, env=cli_env(ONE_THREAD),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while (seen := _progress(out / "checkpoint.pt")) is None or seen["epoch"] < 1:
+        while (seen := progress(out)) is None or seen["epoch"] < 1:
             assert run.poll() is None, f"run B ended before its first checkpoint: {run.communicate()[1]}"
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.05)
@@ -81,7 +73,7 @@ def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_
         run.wait(30)
     assert run.returncode == -signal.SIGKILL
     assert seen["epoch"] == 1 and seen["step"] == 0
-    assert _progress(out / "checkpoint.pt") == seen  # killed inside epoch 2, before its checkpoint
+    assert progress(out) == seen  # killed inside epoch 2, before its checkpoint
     assert [r["epoch"] for r in metrics(out)] == [1]
 
     r = run_cli(*_train(out, "--resume"), cwd=tmp_path, env=ONE_THREAD)
@@ -113,7 +105,7 @@ def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, tmp_path:
     r = subprocess.run([sys.executable, "-c", _KILL_AFTER_MID_EPOCH_SAVE, *_train(out, *every)], cwd=tmp_path,
                        env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
     assert r.returncode == -signal.SIGKILL, r.stderr
-    assert _progress(out / "checkpoint.pt")["step"] == 3  # type: ignore[index]
+    assert progress(out)["step"] == 3  # type: ignore[index]
 
     r = run_cli(*_train(out, *every, "--resume"), cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr

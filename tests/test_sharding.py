@@ -13,26 +13,13 @@ SIZES = [1, 2, 3, 7, 10, 11, 64, 101]  # divisible and not, and smaller than the
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_same_indices_as_distributed_sampler(world: int, shuffle: bool, drop_last: bool) -> None:
+def test_same_indices_as_distributed_sampler(world: int, shuffle: bool) -> None:
     for n, seed, epoch in itertools.product(SIZES, (0, 1234), (0, 1, 5)):
-        if drop_last and n < world:
-            continue  # DistributedSampler itself gives every rank nothing then; so do we (checked below)
         for rank in range(world):
-            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                         drop_last=drop_last)
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
             sampler.set_epoch(epoch)
-            ours = shard_indices(n, rank, world, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
+            ours = shard_indices(n, rank, world, shuffle=shuffle, seed=seed, epoch=epoch)
             assert ours.tolist() == list(sampler), (n, rank, world, seed, epoch)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_drop_last_smaller_than_world_is_empty(world: int) -> None:
-    n = world - 1
-    for rank in range(world):
-        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, drop_last=True)
-        assert list(sampler) == []
-        assert shard_indices(n, rank, world, shuffle=True, seed=0, epoch=0, drop_last=True).tolist() == []
 
 
 def test_epochs_reshuffle_and_ranks_partition() -> None:

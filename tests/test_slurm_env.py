@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics
-from mnist_ddp.distributed import first_host, identity_from_env, pick_device, tasks_on_node
+from conftest import metrics, tiny
+from mnist_ddp.distributed import pick_device
 from mnist_ddp.errors import UserError
+from mnist_ddp.identity import first_host, tasks_on_node
+from mnist_ddp.identity import from_env as identity_from_env
 from procfs import finish, free_port, marked_env, reaped, start
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
@@ -46,7 +48,7 @@ def test_slurm_identity() -> None:
     ident = identity_from_env(SLURM)
     assert ident is not None
     assert (ident.rank, ident.local_rank, ident.world_size, ident.local_world_size) == (5, 1, 8, 2)
-    assert (ident.launcher, ident.rendezvous, ident.master_addr) == ("SLURM", "tcp", "node01")
+    assert (ident.launcher, ident.store_host, ident.master_addr) == ("SLURM", "rank0", "node01")
     assert ident.master_port == 20000 + 123456 % 20000  # the same number on every node of the job
 
 
@@ -68,7 +70,7 @@ def test_slurm_without_job_id_uses_torchs_default_port() -> None:
 
 def test_one_slurm_task_needs_no_process_group() -> None:
     ident = identity_from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODELIST": "n1"})
-    assert ident is not None and (ident.world_size, ident.rendezvous) == (1, "none")
+    assert ident is not None and (ident.world_size, ident.store_host) == (1, "none")
 
 
 def test_torchrun_variables_win_over_slurm() -> None:
@@ -79,7 +81,7 @@ def test_torchrun_variables_win_over_slurm() -> None:
     assert ident is not None
     assert (ident.launcher, ident.rank, ident.world_size, ident.local_rank, ident.local_world_size) == \
         ("torchrun", 3, 4, 1, 2)
-    assert (ident.rendezvous, ident.master_addr, ident.master_port) == ("env", "10.1.2.3", 29400)
+    assert (ident.store_host, ident.master_addr, ident.master_port) == ("rank0", "10.1.2.3", 29400)
 
 
 def test_no_launcher_means_no_identity() -> None:
@@ -122,8 +124,7 @@ def test_two_processes_started_like_srun_train_together(tmp_path: Path) -> None:
     port = free_port()
     job_id = port - 20000 if port >= 20000 else port + 20000  # so that 20000 + id % 20000 == port
     out = tmp_path / "run"
-    args = ["mnist_ddp", "train", "--dataset", "synthetic", "--train-samples", "600", "--test-samples", "100",
-            "--epochs", "1", "--no-progress", "--no-plots", "--timeout", "60", "--out", str(out)]
+    args = ["mnist_ddp", "train", *tiny(600, 100), "--timeout", "60", "--out", str(out)]
     tasks = {"SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2", "SLURM_NODELIST": "localhost",
              "SLURM_NODEID": "0", "SLURM_JOB_ID": str(job_id)}
     env, mark = marked_env(tasks)

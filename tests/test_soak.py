@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from mnist_ddp import launch, rendezvous
-from mnist_ddp.config import DataConfig, TrainConfig
-from mnist_ddp.distributed import Identity
+from mnist_ddp import identity, launch, rendezvous
+from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from procfs import children, listening_inodes, needs_proc, socket_inodes
 
 RUNS = 20
@@ -37,7 +36,8 @@ def _worker(local_rank: int, jobs: "mp.Queue", results: "mp.Queue") -> None:
 
 
 def _config(out: Path, seed: int) -> TrainConfig:
-    return TrainConfig(data=DataConfig("synthetic", train_samples=200, test_samples=50), epochs=1, seed=seed,
+    return TrainConfig(data=DataConfig("synthetic", train_samples=200, test_samples=50),
+                       recipe=recipe("default", epochs=1), seed=seed,
                        out=str(out), progress=False, plots=False, timeout=60, device="cpu")
 
 
@@ -64,8 +64,7 @@ def test_twenty_runs_leak_no_port_process_or_file(tmp_path: Path) -> None:
             launch.check_out_dir(out, resume=False)  # what the parent does before it spawns
             store = rendezvous.host_store("127.0.0.1", 0, WORLD, timedelta(seconds=60))
             for r in range(WORLD):
-                jobs[r].put((Identity(rank=r, local_rank=r, world_size=WORLD, local_world_size=WORLD,
-                                      rendezvous="store", master_port=store.port, launcher="soak"), cfg))
+                jobs[r].put((identity.spawned(0, r, WORLD, 1, "127.0.0.1", store.port), cfg))
             reports = sorted(results.get(timeout=120) for _ in range(WORLD))
             del store
             assert [error for _, error, _, _ in reports] == [None] * WORLD, (run, reports)

@@ -3,7 +3,7 @@
 No Dataset, no DataLoader, no per-sample Python: the whole split sits in memory
 (on the GPU when training on CUDA) and a batch is one index gather. Which indices a
 rank sees follows `torch.utils.data.DistributedSampler` exactly — a permutation
-seeded by seed + epoch, padded (or cut) to a multiple of the world size, then
+seeded by seed + epoch, padded to a multiple of the world size, then
 every world_size-th index from `rank` — so results match the standard recipe.
 """
 
@@ -15,15 +15,13 @@ import torch
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
 
 
-def shard_size(n: int, rank: int, world: int, *, drop_last: bool = False, pad: bool = True) -> int:
+def shard_size(n: int, rank: int, world: int, *, pad: bool = True) -> int:
     """len(shard_indices(...)) by arithmetic, without drawing the permutation."""
-    if not pad:
-        return len(range(rank, n, world))
-    return math.ceil((n - world) / world) if drop_last and n % world else math.ceil(n / world)
+    return math.ceil(n / world) if pad else len(range(rank, n, world))
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int,
-                  drop_last: bool = False, pad: bool = True) -> torch.Tensor:
+                  pad: bool = True) -> torch.Tensor:
     """This rank's sample indices for `epoch`, as DistributedSampler would give them.
 
     `pad=False` is for evaluation: no sample is repeated or dropped, so shards may
@@ -37,7 +35,7 @@ def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, ep
         indices = torch.arange(n)
     if not pad:
         return indices[rank::world]
-    total = shard_size(n, rank, world, drop_last=drop_last) * world
+    total = shard_size(n, rank, world) * world
     if total > n:  # repeat from the start, as often as needed, to even out the shards
         indices = indices.repeat(math.ceil(total / n))
     return indices[:total][rank:total:world]

@@ -29,10 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import datasets, tutorial
-from .config import BenchConfig
+from .config import BenchConfig, DataConfig
 from .errors import UserError
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from .identity import without_launcher_vars
 
 
 class BenchFailed(UserError):
@@ -92,35 +91,33 @@ class Ratio:
 
 def _child_env() -> dict[str, str]:
     """This environment minus any launcher's variables, with this very package importable."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env = without_launcher_vars(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                       env.get("PYTHONPATH")]))
     return env
 
 
-def _pick_data(cfg: BenchConfig) -> tuple[datasets.DataRequest, datasets.Dataset]:
+def _pick_data(cfg: BenchConfig) -> tuple[DataConfig, datasets.Dataset]:
     """The data every run uses: the named dataset, or Fashion-MNIST if it is here, else synthetic digits."""
-    d = cfg.data
-    req = d.request(download=d.download and not cfg.synthetic_fallback)
+    req = replace(cfg.data, download=cfg.data.download and not cfg.synthetic_fallback)
     try:
         data = datasets.load(req)
     except datasets.DataNotFound:
         if not cfg.synthetic_fallback:
             raise
-        req = replace(req, name="synthetic")
+        req = replace(req, dataset="synthetic")
         data = datasets.load(req)
-    return replace(req, name=data.name, download=False), data  # the runs must not each download again
+    return replace(req, dataset=data.name, download=False), data  # the runs must not each download again
 
 
-def _data_flags(req: datasets.DataRequest) -> list[str]:
-    flags = ["--dataset", req.name, "--no-download"]
+def _data_flags(req: DataConfig) -> list[str]:
+    flags = ["--dataset", req.dataset, "--no-download"]
     flags += ["--data-dir", str(req.data_dir)] if req.data_dir else []
     flags += ["--train-samples", str(req.train_samples)] if req.train_samples else []
     return flags + (["--test-samples", str(req.test_samples)] if req.test_samples else [])
 
 
-def run_ours(cfg: BenchConfig, req: datasets.DataRequest, device: str, procs: int, out: Path) -> Run:
+def run_ours(cfg: BenchConfig, req: DataConfig, device: str, procs: int, out: Path) -> Run:
     """`mnist-ddp train` in a child process, as a user runs it; the epochs are read from its metrics.jsonl."""
     run_dir = out / f"ours-{procs}"
     cmd = [sys.executable, "-m", "mnist_ddp", "train", *_data_flags(req), "--device", device, "-g", str(procs),
@@ -207,17 +204,15 @@ def run(cfg: BenchConfig) -> int:
     del data  # each run loads its own copy, as it would on its own
 
     spec = tutorial.Spec(req, device, cfg.tutorial_epochs, target=cfg.target, max_seconds=cfg.tutorial_seconds)
-    runs = {"tutorial_1": None, "ours_1": None, f"tutorial_ddp_{procs}": None, f"ours_{procs}": None}
-    runs["tutorial_1"] = run_tutorial(spec, 1, out)
-    _said(runs["tutorial_1"])
-    runs["ours_1"] = run_ours(cfg, req, device, 1, out)
-    _said(runs["ours_1"])
+    done = {"tutorial_1": run_tutorial(spec, 1, out)}
+    _said(done["tutorial_1"])
+    done["ours_1"] = run_ours(cfg, req, device, 1, out)
+    _said(done["ours_1"])
     if procs > 1:
-        runs[f"tutorial_ddp_{procs}"] = run_tutorial(replace(spec, epochs=1, evaluate=False), procs, out)
-        _said(runs[f"tutorial_ddp_{procs}"])
-        runs[f"ours_{procs}"] = run_ours(cfg, req, device, procs, out)
-        _said(runs[f"ours_{procs}"])
-    done = {k: r for k, r in runs.items() if r is not None}
+        done[f"tutorial_ddp_{procs}"] = run_tutorial(replace(spec, epochs=1, evaluate=False), procs, out)
+        _said(done[f"tutorial_ddp_{procs}"])
+        done[f"ours_{procs}"] = run_ours(cfg, req, device, procs, out)
+        _said(done[f"ours_{procs}"])
 
     tut, ours = done["tutorial_1"], done["ours_1"]
     ratios: dict[str, tuple[str, Ratio]] = {
@@ -240,7 +235,7 @@ def run(cfg: BenchConfig) -> int:
 
     print(_table(done, cfg.target, ratios))
     result = {
-        "dataset": req.name, **sizes, "environment": env, "target_accuracy": cfg.target,
+        "dataset": req.dataset, **sizes, "environment": env, "target_accuracy": cfg.target,
         "runs": {k: r.to_dict(None if k.startswith("tutorial_ddp") else cfg.target) for k, r in done.items()},
         "ratios": {k: {"label": label, "value": r.value, "lower_bound": r.lower_bound}
                    for k, (label, r) in ratios.items()},

@@ -8,13 +8,15 @@ tests (and shells) can rely on the exit code. Exit codes: 0 done, 1 a worker fai
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from .config import (
     AMP,
     BACKENDS,
+    DATASETS,
     DEVICES,
+    KNOBS,
     OPTIMIZERS,
     RECIPES,
     SCHEDULERS,
@@ -23,8 +25,9 @@ from .config import (
     EvalConfig,
     PredictConfig,
     TrainConfig,
+    default,
+    recipe,
 )
-from .datasets import DATASETS
 from .errors import UserError
 
 
@@ -45,23 +48,24 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"environment variable {name}={value!r} is not a port number.") from None
 
 
-def _data_args(p: argparse.ArgumentParser, default: str | None, default_help: str | None = None) -> None:
+def _data_args(p: argparse.ArgumentParser, dataset: str | None, dataset_help: str | None = None) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=default, choices=DATASETS,
-                   help=f"auto = MNIST if found or downloadable, else synthetic (default: {default_help or default})")
+    g.add_argument("--dataset", default=dataset, choices=DATASETS,
+                   help=f"auto = MNIST if found or downloadable, else synthetic (default: {dataset_help or dataset})")
     g.add_argument("--data-dir", help="folder holding the four IDX files (plain or .gz; torchvision's "
                    "MNIST/raw layout works too); searched first, and downloads go there")
     g.add_argument("--no-download", dest="download", action="store_false", help="never download")
     g.add_argument("--mirror", dest="mirrors", action="append", default=[], metavar="URL",
                    help="download from this base URL instead of the standard mirrors (repeatable)")
-    g.add_argument("--download-timeout", type=float, default=60.0, help="seconds per request (default: 60)")
+    g.add_argument("--download-timeout", type=float, default=default(DataConfig, "download_timeout"),
+                   help="seconds per request (default: %(default)s)")
     g.add_argument("--train-samples", type=int, help="use only the first N training images")
     g.add_argument("--test-samples", type=int, help="use only the first N test images")
 
 
 def _data_config(a: argparse.Namespace) -> DataConfig:
-    return DataConfig(a.dataset, a.data_dir, a.download, tuple(a.mirrors), a.download_timeout,
-                      getattr(a, "train_samples", None), a.test_samples)
+    return DataConfig(a.dataset, Path(a.data_dir) if a.data_dir else None, a.download, tuple(a.mirrors),
+                      a.download_timeout, a.train_samples, a.test_samples)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +83,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="node 0's port (default: $MASTER_PORT, else a free port on one node)")
     g.add_argument("--device", default="auto", choices=DEVICES, help="auto = cuda, else mps, else cpu")
     g.add_argument("--backend", choices=BACKENDS, help="collective backend (default: nccl on CUDA, else gloo)")
-    g.add_argument("--timeout", type=float, default=180.0,
+    g.add_argument("--timeout", type=float, default=default(TrainConfig, "timeout"),
                    help="seconds to wait for a peer (rendezvous and collectives) before failing")
     g = p.add_argument_group("recipe (unset knobs come from --recipe)")
     g.add_argument("--recipe", default="default", choices=RECIPES,
@@ -94,8 +98,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--label-smoothing", type=float)
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="normalise pixels with MNIST's mean and std")
-    g.add_argument("--seed", type=int, default=0, help="initial weights and the per-epoch shuffles")
-    g.add_argument("--eval-batch-size", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=default(TrainConfig, "seed"),
+                   help="initial weights and the per-epoch shuffles")
+    g.add_argument("--eval-batch-size", type=int, default=default(TrainConfig, "eval_batch_size"))
     g = p.add_argument_group("compute")
     g.add_argument("--amp", choices=AMP,
                    help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA); auto = bf16 on CPUs that do bf16 in "
@@ -123,12 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint")
     _data_args(e, "auto")
     e.add_argument("--device", default="auto", choices=DEVICES)
-    e.add_argument("--batch-size", type=int, default=1000)
+    e.add_argument("--batch-size", type=int, default=default(EvalConfig, "batch_size"))
     pr = sub.add_parser("predict", help="classify 28x28 PNG images or the images of an IDX file")
     pr.add_argument("checkpoint")
     pr.add_argument("files", nargs="+", metavar="FILE", help="PNG or IDX (…-images-idx3-ubyte[.gz]) files")
     pr.add_argument("--device", default="auto", choices=DEVICES)
-    pr.add_argument("--top", type=int, default=1, help="show the K most likely classes")
+    pr.add_argument("--top", type=int, default=default(PredictConfig, "top"), help="show the K most likely classes")
     _bench_parser(sub)
     return p
 
@@ -144,14 +149,20 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes of the multi-process runs (default: 2 on CPU, every GPU on CUDA)")
     b.add_argument("--epochs", type=int, help="epochs of our runs (default: the default recipe's)")
     b.add_argument("--tutorial-epochs", type=int, help="the most epochs the tutorial gets to reach --target "
-                   "(default: 10)")
-    b.add_argument("--tutorial-seconds", type=float, default=240.0,
-                   help="... and the most seconds of training and testing (default: 240)")
-    b.add_argument("--target", type=float, default=0.89, help="test accuracy to reach (default: 0.89)")
+                   f"(default: {default(BenchConfig, 'tutorial_epochs')})")
+    b.add_argument("--tutorial-seconds", type=float, default=default(BenchConfig, "tutorial_seconds"),
+                   help="... and the most seconds of training and testing (default: %(default)s)")
+    b.add_argument("--target", type=float, default=default(BenchConfig, "target"),
+                   help="test accuracy to reach (default: %(default)s)")
     b.add_argument("--quick", action="store_true", help="a smoke run in seconds: " + ", ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " unless given")
     b.add_argument("--out", help="folder for the runs' outputs (default: runs/bench-<date-time>)")
     b.add_argument("--json", help="where the results go (default: <out>/bench.json)")
+
+
+def _given(**values: object) -> dict[str, object]:
+    """The values the user gave: an absent flag (None) leaves the config's own default in place."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def _bench_config(a: argparse.Namespace) -> BenchConfig:
@@ -161,40 +172,45 @@ def _bench_config(a: argparse.Namespace) -> BenchConfig:
                 setattr(a, key, value)
     a.dataset, fallback = (a.dataset, False) if a.dataset else ("fashion-mnist", True)
     return BenchConfig(_data_config(a), synthetic_fallback=fallback, device=a.device, procs=a.procs,
-                       epochs=a.epochs, tutorial_epochs=10 if a.tutorial_epochs is None else a.tutorial_epochs,
-                       tutorial_seconds=a.tutorial_seconds, target=a.target,
-                       out=a.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"), json=a.json)
+                       epochs=a.epochs, tutorial_seconds=a.tutorial_seconds, target=a.target, json=a.json,
+                       **_given(tutorial_epochs=a.tutorial_epochs, out=a.out))
 
 
 def _train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout, recipe=a.recipe,
-        optimizer=a.optimizer, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
-        batch_size=a.batch_size, epochs=a.epochs, scheduler=a.scheduler, normalize=a.normalize,
-        label_smoothing=a.label_smoothing, seed=a.seed, eval_batch_size=a.eval_batch_size, amp=a.amp,
-        channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn, deterministic=a.deterministic,
-        out=a.out or time.strftime("runs/%Y%m%d-%H%M%S"), resume=a.resume, checkpoint_every=a.checkpoint_every,
-        progress=a.progress, plots=a.plots)
+        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout,
+        recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
+        eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn,
+        deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every, progress=a.progress,
+        plots=a.plots, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["train", *argv]  # the tutorial's `script.py -n 1 -g 2 -nr 0` shape
     a = _parser().parse_args(argv)
+    # Every config is built and checked before the first module that imports torch (seconds to load), so
+    # --help and a bad flag answer at once.
     if a.command == "train":
-        from .launch import launch  # torch is imported only once the arguments are known good
+        cfg = _train_config(a)
+        from .launch import launch
 
-        return launch(_train_config(a))
+        return launch(cfg)
     if a.command == "bench":
+        bench_cfg = _bench_config(a)
         from . import bench
 
-        return bench.run(_bench_config(a))
+        return bench.run(bench_cfg)
+    if a.command == "evaluate":
+        eval_cfg = EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size)
+        from . import infer
+
+        return infer.run_evaluate(eval_cfg)
+    predict_cfg = PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
     from . import infer
 
-    if a.command == "evaluate":
-        return infer.run_evaluate(EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size))
-    return infer.run_predict(PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top))
+    return infer.run_predict(predict_cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

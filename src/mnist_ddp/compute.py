@@ -13,12 +13,10 @@ its device. The choices follow measurements of this ConvNet (benchmarks/ab_compu
 An explicit flag always wins over these defaults.
 """
 
+import contextlib
 import os
-from dataclasses import replace
 
 import torch
-
-from .config import TrainConfig
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -31,14 +29,23 @@ def cpu_has_fast_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
-def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """`cfg` with `amp="auto"` and `channels_last=None` replaced by this device's defaults."""
-    amp, channels_last = cfg.amp, cfg.channels_last
-    if amp == "auto":
-        amp = "bf16" if device.type == "cpu" and cpu_has_fast_bf16() else "off"
-    if channels_last is None:
-        channels_last = device.type == "cpu"
-    return replace(cfg, amp=amp, channels_last=channels_last)
+def amp_for(amp: str, device: torch.device) -> str:
+    """`--amp` with `auto` decided for `device`: bf16 where the CPU computes it in hardware, else off."""
+    if amp != "auto":
+        return amp
+    return "bf16" if device.type == "cpu" and cpu_has_fast_bf16() else "off"
+
+
+def channels_last_for(channels_last: bool | None, device: torch.device) -> bool:
+    """`--[no-]channels-last`, or when not given, on for CPUs (faster there) and off elsewhere."""
+    return device.type == "cpu" if channels_last is None else channels_last
+
+
+def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass, or nothing when `amp` is off."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:

@@ -1,30 +1,27 @@
 """One frozen dataclass per command: every setting, checked once, before any work.
 
 The CLI only parses strings; these classes decide what is valid and say so in one
-sentence. Knobs a recipe sets (optimizer, lr, …) arrive as None when the user did
-not give them and are filled in from the recipe, so an explicit flag always wins.
+sentence, and their field defaults are the one source of every default (the CLI shows
+them in --help). A recipe is resolved once, where the command line is read: the
+`Recipe` a run carries has no unset knob. Plain Python, no torch, so `--help` and a
+bad flag answer at once.
 """
 
-from dataclasses import dataclass, field, fields, replace
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from .datasets import DATASETS, DataRequest
 from .errors import UserError
 
-RECIPES: dict[str, dict[str, Any]] = {
-    # AdamW with a one-cycle schedule: ≥99% on MNIST and ≥90% on Fashion-MNIST in 2 epochs.
-    "default": {"optimizer": "adamw", "lr": 3e-3, "momentum": 0.9, "weight_decay": 5e-4, "batch_size": 100,
-                "epochs": 2, "scheduler": "onecycle", "normalize": True, "label_smoothing": 0.0, "amp": "auto"},
-    # The tutorial, exactly: plain SGD at lr 1e-4, no momentum, pixels in [0, 1] without normalisation, fp32.
-    "tutorial": {"optimizer": "sgd", "lr": 1e-4, "momentum": 0.0, "weight_decay": 0.0, "batch_size": 100,
-                 "epochs": 2, "scheduler": "none", "normalize": False, "label_smoothing": 0.0, "amp": "off"},
-}
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULERS = ("none", "onecycle", "cosine")
-AMP = ("auto", "off", "bf16", "fp16")  # auto: the fastest for the device (compute.py)
-DEVICES = ("auto", "cpu", "cuda", "mps")
-BACKENDS = ("gloo", "nccl")
+Dataset = Literal["mnist", "fashion-mnist", "synthetic", "auto"]
+Optimizer = Literal["sgd", "adamw"]
+Scheduler = Literal["none", "onecycle", "cosine"]
+Amp = Literal["auto", "off", "bf16", "fp16"]  # auto: the fastest for the device (compute.py)
+Device = Literal["auto", "cpu", "cuda", "mps"]
+Backend = Literal["gloo", "nccl"]
+DATASETS, OPTIMIZERS, SCHEDULERS, AMP, DEVICES, BACKENDS = map(
+    get_args, (Dataset, Optimizer, Scheduler, Amp, Device, Backend))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -32,74 +29,107 @@ def _check(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
+def timestamped(prefix: str) -> str:
+    """A fresh folder name per run, e.g. runs/20261203-101500: a second run never lands in the first's."""
+    return time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Which dataset, where to find it, and how much of it to use."""
+    """Which dataset, where to find it, and how much of it to use (what `datasets.load` takes)."""
 
-    dataset: str = "mnist"
-    data_dir: str | None = None
+    dataset: Dataset
+    data_dir: Path | None = None  # searched first; downloads go there
     download: bool = True
-    mirrors: tuple[str, ...] = ()
-    download_timeout: float = 60.0
-    train_samples: int | None = None
+    mirrors: tuple[str, ...] = ()  # replace the published mirrors (tests, proxies)
+    download_timeout: float = 60.0  # seconds per request
+    train_samples: int | None = None  # the first N of the split (all by default)
     test_samples: int | None = None
+    test_only: bool = False  # evaluate needs only the t10k files; the train split is then empty
 
     def __post_init__(self) -> None:
-        _check(self.dataset in DATASETS, f"--dataset {self.dataset!r} is not one of {', '.join(DATASETS)}.")
         for name in ("train_samples", "test_samples"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}.")
         _check(self.download_timeout > 0, "--download-timeout must be positive.")
 
-    def request(self, **changes: Any) -> DataRequest:
-        """What `datasets.load` takes: these settings, with `changes` (e.g. test_only=True) applied."""
-        req = DataRequest(self.dataset, Path(self.data_dir) if self.data_dir else None, self.download,
-                          self.mirrors, self.download_timeout, self.train_samples, self.test_samples)
-        return replace(req, **changes)
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return ("test",) if self.test_only else ("train", "test")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every knob of the optimisation, resolved: a recipe's values with the user's flags over them."""
+
+    optimizer: Optimizer
+    lr: float  # peak learning rate; not scaled with the world size (README)
+    momentum: float  # SGD momentum, or AdamW's beta1
+    weight_decay: float
+    batch_size: int  # per process; the global batch is batch_size × world size
+    epochs: int
+    scheduler: Scheduler  # per-step learning-rate schedule
+    normalize: bool  # MNIST's mean and std; the tutorial fed pixels in [0, 1]
+    label_smoothing: float
+    amp: Amp
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"--lr must be positive, not {self.lr}.")
+        _check(0 <= self.momentum < 1, f"--momentum must be in [0, 1), not {self.momentum}.")
+        _check(self.weight_decay >= 0, "--weight-decay must not be negative.")
+        _check(self.batch_size >= 1, f"--batch-size must be at least 1, not {self.batch_size}.")
+        _check(self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
+        _check(0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1).")
+
+
+RECIPES: dict[str, Recipe] = {
+    # AdamW with a one-cycle schedule: ≥99% on MNIST and ≥90% on Fashion-MNIST in 2 epochs.
+    "default": Recipe(optimizer="adamw", lr=3e-3, momentum=0.9, weight_decay=5e-4, batch_size=100, epochs=2,
+                      scheduler="onecycle", normalize=True, label_smoothing=0.0, amp="auto"),
+    # The tutorial, exactly: plain SGD at lr 1e-4, no momentum, pixels in [0, 1] without normalisation, fp32.
+    "tutorial": Recipe(optimizer="sgd", lr=1e-4, momentum=0.0, weight_decay=0.0, batch_size=100, epochs=2,
+                       scheduler="none", normalize=False, label_smoothing=0.0, amp="off"),
+}
+KNOBS = tuple(Recipe.__dataclass_fields__)
+
+
+def recipe(name: str, **flags: Any) -> Recipe:
+    """Recipe `name` with every flag the user gave (not None) over its values."""
+    return replace(RECIPES[name], **{k: v for k, v in flags.items() if v is not None})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything `mnist-ddp train` needs; the recipe's knobs are filled in by `resolve`."""
+    """Everything `mnist-ddp train` needs."""
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig("mnist"))
     # Launch: the tutorial's -n/-g/-nr, and where the processes meet.
     nodes: int = 1
     gpus: int = 1  # processes on this node: one per GPU, or CPU worker processes
     node_rank: int = 0
     master_addr: str | None = None  # None: MASTER_ADDR, else 127.0.0.1 on one node
     master_port: int | None = None  # None: MASTER_PORT, else a free port on one node
-    device: str = "auto"
-    backend: str | None = None  # None: nccl on CUDA, gloo otherwise
+    device: Device = "auto"
+    backend: Backend | None = None  # None: nccl on CUDA, gloo otherwise
     timeout: float = 180.0  # seconds a collective or the rendezvous may wait for a peer
-    # Recipe (None = take the recipe's value).
-    recipe: str = "default"
-    optimizer: str | None = None
-    lr: float | None = None
-    momentum: float | None = None
-    weight_decay: float | None = None
-    batch_size: int | None = None  # per process; the global batch is batch_size × world size
-    epochs: int | None = None
-    scheduler: str | None = None
-    normalize: bool | None = None
-    label_smoothing: float | None = None
+    # What to train, and how.
+    recipe_name: str = "default"
+    recipe: Recipe = RECIPES["default"]
     seed: int = 0
     eval_batch_size: int = 1000
-    # Compute: "auto" / None = the device's fastest (compute.resolve), an explicit value always wins.
-    amp: str | None = None  # None: the recipe's ("auto": the fastest for the device, see compute.py)
+    # Compute: None = the device's fastest (compute.py); an explicit value always wins.
     channels_last: bool | None = None
     compile: bool = False
     sync_bn: bool = False
     deterministic: bool = False
     # Outputs.
-    out: str = "runs/latest"
+    out: str = field(default_factory=lambda: timestamped("runs/"))
     resume: bool = False
     checkpoint_every: int = 0  # steps between mid-epoch checkpoints; 0 = at epoch ends only
     progress: bool = True
     plots: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.recipe in RECIPES, f"--recipe {self.recipe!r} is not one of {', '.join(RECIPES)}.")
         _check(self.nodes >= 1, f"-n/--nodes must be at least 1, not {self.nodes}.")
         _check(self.gpus >= 1, f"-g/--gpus must be at least 1, not {self.gpus}.")
         _check(0 <= self.node_rank < self.nodes,
@@ -107,23 +137,8 @@ class TrainConfig:
                f"{self.node_rank} is outside that range.")
         _check(self.master_port is None or 0 <= self.master_port <= 65535,
                f"--master-port {self.master_port} is not a port number (0-65535).")
-        _check(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}.")
-        _check(self.backend is None or self.backend in BACKENDS,
-               f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}.")
         _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
-        _check(self.optimizer is None or self.optimizer in OPTIMIZERS,
-               f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
-        _check(self.scheduler is None or self.scheduler in SCHEDULERS,
-               f"--scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}.")
-        _check(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}.")
-        _check(self.momentum is None or 0 <= self.momentum < 1, f"--momentum must be in [0, 1), not {self.momentum}.")
-        _check(self.weight_decay is None or self.weight_decay >= 0, "--weight-decay must not be negative.")
-        _check(self.batch_size is None or self.batch_size >= 1,
-               f"--batch-size must be at least 1, not {self.batch_size}.")
-        _check(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
-        _check(self.label_smoothing is None or 0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1).")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
-        _check(self.amp is None or self.amp in AMP, f"--amp {self.amp!r} is not one of {', '.join(AMP)}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.nodes == 1 or self.master_addr is not None,
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")
@@ -134,15 +149,12 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.nodes * self.gpus
 
-    def resolve(self) -> "TrainConfig":
-        """A copy whose recipe knobs that were left at None carry the recipe's values."""
-        recipe = RECIPES[self.recipe]
-        return replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
-
     def to_dict(self) -> dict[str, Any]:
-        """Plain values only, so a checkpoint holding it loads with weights_only=True."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "data"}
-        out["data"] = {f.name: getattr(self.data, f.name) for f in fields(self.data)}
+        """Plain values only, so a checkpoint holding it loads with weights_only=True; the recipe's knobs
+        sit at the top level, beside the recipe's name."""
+        out = asdict(self)
+        out |= out.pop("recipe") | {"recipe": out.pop("recipe_name")}
+        out["data"]["data_dir"] = str(self.data.data_dir) if self.data.data_dir else None
         return out
 
 
@@ -152,11 +164,10 @@ class EvalConfig:
 
     checkpoint: str
     data: DataConfig
-    device: str = "auto"
+    device: Device = "auto"
     batch_size: int = 1000
 
     def __post_init__(self) -> None:
-        _check(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}.")
         _check(self.batch_size >= 1, "--batch-size must be at least 1.")
 
 
@@ -166,11 +177,10 @@ class PredictConfig:
 
     checkpoint: str
     files: tuple[str, ...]
-    device: str = "auto"
+    device: Device = "auto"
     top: int = 1
 
     def __post_init__(self) -> None:
-        _check(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}.")
         _check(1 <= self.top <= 10, "--top must be between 1 and 10.")
 
 
@@ -180,19 +190,24 @@ class BenchConfig:
 
     data: DataConfig
     synthetic_fallback: bool = False  # the dataset was not named: synthetic if it cannot be had
-    device: str = "auto"  # auto = cuda if available, else cpu (the tutorial's DDP has no MPS backend)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda, else cpu (the tutorial's DDP has no MPS)
     procs: int | None = None  # processes of the multi-process runs; None = 2 on CPU, every GPU on CUDA
     epochs: int | None = None  # of our runs; None = the default recipe's
     tutorial_epochs: int = 10  # the most epochs the tutorial gets to reach the target
     tutorial_seconds: float = 240.0  # ... and the most seconds
     target: float = 0.89  # test accuracy to reach
-    out: str = "runs/bench"
+    out: str = field(default_factory=lambda: timestamped("runs/bench-"))
     json: str | None = None  # None = <out>/bench.json
 
     def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"), f"--device {self.device!r} is not one of auto, cpu, cuda.")
         _check(self.procs is None or self.procs >= 1, f"-g/--gpus must be at least 1, not {self.procs}.")
         _check(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
         _check(self.tutorial_epochs >= 1, f"--tutorial-epochs must be at least 1, not {self.tutorial_epochs}.")
         _check(self.tutorial_seconds > 0, "--tutorial-seconds must be positive.")
         _check(0 < self.target <= 1, f"--target is a test accuracy between 0 and 1, not {self.target}.")
+
+
+def default(cls: type, name: str) -> Any:
+    """The default of field `name` of config class `cls`: what --help shows and what an absent flag means."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if callable(f.default_factory) else f.default

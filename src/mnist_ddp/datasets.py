@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import idx, synthetic
+from .config import DataConfig
 from .download import DownloadError, fetch, file_lock
 from .errors import UserError
 
@@ -82,7 +83,6 @@ SOURCES = {
     ),
 }
 SYSTEM_DIRS = (Path("/usr/share/datasets"),)
-DATASETS = ("auto", "synthetic", *SOURCES)
 
 
 @dataclass(frozen=True)
@@ -103,24 +103,6 @@ class Dataset:
     classes: tuple[str, ...]
     train: Split
     test: Split
-
-
-@dataclass(frozen=True)
-class DataRequest:
-    """What the user asked for; `mirrors` overrides the published ones (tests, proxies)."""
-
-    name: str = "auto"
-    data_dir: Path | None = None
-    download: bool = True
-    mirrors: tuple[str, ...] = ()
-    download_timeout: float = 60.0
-    train_samples: int | None = None  # first N of the split (all by default)
-    test_samples: int | None = None
-    test_only: bool = False  # evaluate needs only the t10k files; `train` is then an empty split
-
-    @property
-    def splits(self) -> tuple[str, ...]:
-        return ("test",) if self.test_only else ("train", "test")
 
 
 def candidate_dirs(source: Source, data_dir: Path | None) -> list[Path]:
@@ -181,7 +163,7 @@ def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | Non
     return Split(images[:limit], labels[:limit].long())
 
 
-def _load_source(source: Source, req: DataRequest) -> Dataset:
+def _load_source(source: Source, req: DataConfig) -> Dataset:
     dirs = candidate_dirs(source, req.data_dir)
     for folder in dirs:
         if files := _find_files(folder, req.splits):
@@ -201,7 +183,7 @@ def _load_source(source: Source, req: DataRequest) -> Dataset:
     return Dataset(source.name, where, source.classes, train, test)
 
 
-def _synthetic(req: DataRequest) -> Dataset:
+def _synthetic(req: DataConfig) -> Dataset:
     splits = {
         split: Split(*synthetic.generate(getattr(req, f"{split}_samples") or SYNTHETIC_SIZES[split],
                                          SYNTHETIC_SEEDS[split]))
@@ -211,15 +193,15 @@ def _synthetic(req: DataRequest) -> Dataset:
     return Dataset("synthetic", "generated", tuple("0123456789"), splits["train"], splits["test"])
 
 
-def load(req: DataRequest) -> Dataset:
+def load(req: DataConfig) -> Dataset:
     """The dataset `req` names, fully in memory; UserError if it cannot be had."""
-    if req.name == "synthetic":
+    if req.dataset == "synthetic":
         return _synthetic(req)
-    if req.name == "auto":
+    if req.dataset == "auto":
         try:
             return _load_source(SOURCES["mnist"], req)
         except DataNotFound as e:  # a corrupt MNIST is still an error, never a silent fallback
             fallback = _synthetic(req)
             return Dataset(fallback.name, f"generated: --dataset auto fell back to the built-in digits because "
                            f"MNIST was not found here and {e.why}", fallback.classes, fallback.train, fallback.test)
-    return _load_source(SOURCES[req.name], req)
+    return _load_source(SOURCES[req.dataset], req)

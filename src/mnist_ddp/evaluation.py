@@ -4,7 +4,6 @@ The evaluation shards are not padded (see `shard_indices(pad=False)`), so every
 test image is counted exactly once however many ranks there are.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batches import ShardedBatches
+from .compute import autocast
 from .distributed import Dist
 
 
@@ -25,13 +25,6 @@ class EvalResult:
     @property
     def accuracy(self) -> float:
         return self.correct / self.count
-
-
-def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Mixed precision for the forward pass, or nothing when `amp` is off."""
-    if amp == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 @torch.inference_mode()

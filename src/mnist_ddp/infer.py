@@ -1,5 +1,6 @@
 """`evaluate` and `predict`: use any ConvNet checkpoint, one process."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ def run_evaluate(cfg: EvalConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
-    data = datasets.load(cfg.data.request(name=name, train_samples=None, test_only=True))
+    data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
                              shuffle=False, pad=False, normalize=_normalizes(ckpt))
     result = evaluate(model.to(device), batches, Dist(0, 0, 1, 1, device))

@@ -25,10 +25,11 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import distributed, rendezvous, train
+from . import compute, distributed, identity, rendezvous, train
 from .config import TrainConfig
-from .distributed import Identity, PeerFailure
+from .distributed import PeerFailure
 from .errors import UserError
+from .identity import Identity
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 
@@ -56,18 +57,22 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> int:
-    """One rank, start to finish; the process group is always torn down, also on error.
+    """One rank, start to finish: device, cores, process group, training; the group is always left.
 
     `check_out`: rank 0 checks --out here, after joining, so that a bad one stops every rank at once
     (torchrun and srun start all ranks before any of them could look).
     """
     with _signals_interrupt():
-        d = distributed.setup(ident, cfg.device, cfg.backend, cfg.timeout)
+        device = distributed.pick_device(cfg.device, ident.local_rank)
+        if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
+            compute.share_cores(ident.local_rank, ident.local_world_size)
+        d = distributed.setup(ident, device, cfg.backend, cfg.timeout)
+        finished = False
         try:
             if check_out:
                 d.from_main(lambda: check_out_dir(Path(cfg.out), cfg.resume))
             train.run(cfg, d)
-            distributed.teardown(together=True)
+            finished = True
             return 0
         except RuntimeError as e:
             if d.world_size > 1 and distributed.is_peer_failure(e):
@@ -78,7 +83,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 ) from e
             raise
         finally:
-            distributed.teardown()
+            distributed.teardown(together=finished)
 
 
 def check_out_dir(out: Path, resume: bool) -> None:
@@ -101,7 +106,7 @@ def preflight(cfg: TrainConfig) -> None:
     if not cuda:  # asked for explicitly (--device cpu/mps) or because there is no GPU
         if cfg.sync_bn:
             raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")
-        if cfg.amp == "fp16":
+        if cfg.recipe.amp == "fp16":
             raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
@@ -109,9 +114,7 @@ def preflight(cfg: TrainConfig) -> None:
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
-    ident = Identity(rank=cfg.node_rank * cfg.gpus + local_rank, local_rank=local_rank,
-                     world_size=cfg.world_size, local_world_size=cfg.gpus, rendezvous="store",
-                     master_addr=addr, master_port=port, launcher="mnist-ddp spawn")
+    ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
     except UserError as e:
@@ -169,7 +172,7 @@ def spawn(cfg: TrainConfig) -> int:
 
 def launch(cfg: TrainConfig) -> int:
     """Run training the way this process was started; returns the exit code."""
-    ident = distributed.identity_from_env(os.environ)
+    ident = identity.from_env(os.environ)
     preflight(cfg)
     if ident is not None:
         if (cfg.nodes, cfg.gpus, cfg.node_rank) != (1, 1, 0):

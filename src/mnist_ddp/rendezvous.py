@@ -15,14 +15,11 @@ import struct
 import sys
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .errors import UserError
-
-if TYPE_CHECKING:  # distributed imports this module; the type is only needed for the annotations
-    from .distributed import Identity
+from .identity import Identity
 
 WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares
 
@@ -42,7 +39,7 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dis
     return store
 
 
-def wait_for_listener(ident: "Identity", timeout: timedelta) -> None:
+def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
     """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
     retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
     addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
@@ -63,15 +60,16 @@ def wait_for_listener(ident: "Identity", timeout: timedelta) -> None:
             time.sleep(0.2)
 
 
-def joined_store(ident: "Identity", timeout: timedelta) -> dist.Store:
-    """The rendezvous store, as its host (rank 0 under SLURM) or as a client of node 0's (or torchrun's)."""
-    if ident.rendezvous == "agent":
+def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
+    """The rendezvous store: opened here when this is rank 0 and rank 0 hosts it, else joined as a client
+    of node 0's (the spawning parent's, rank 0's, or torchrun's agent's)."""
+    if ident.store_host == "agent":
         # torchrun's agent keeps one store for all restarts, so a restarted worker would read the
         # addresses its dead predecessors left there and fail to connect (pytorch/pytorch#135712):
         # each attempt gets a namespace of its own.
         store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
         return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store)
-    if ident.rendezvous == "tcp" and ident.rank == 0:
+    if ident.store_host == "rank0" and ident.rank == 0:
         return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
     wait_for_listener(ident, timeout)
     store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)

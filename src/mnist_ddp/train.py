@@ -1,16 +1,24 @@
 """The training loop: one code path for one process and for any number of DDP ranks.
 
-Every rank runs this same function. The launch mode only decided how `Dist` was
-built; here DDP shows up in exactly four places: wrapping the model (gradients are
-all-reduced during backward), `set_epoch` on the sharded batches, the all-reduced
-metrics, and `d.is_main` deciding who writes files.
+Every rank runs `run`; the launcher has already joined the process group (launch.py,
+distributed.py) and leaves it afterwards. What makes the loop distributed, in the order
+`Trainer.run` meets it:
+- `wrap`: DDP around the model. It broadcasts rank 0's weights once, then all-reduces the
+  gradients during every backward, so every rank takes the same optimizer step;
+- `set_epoch`: every rank draws the same new shuffle and takes its own shard of it (batches.py);
+- `_fold`: the ranks' loss sums and image counts, added up with one all-reduce;
+- `average_buffers`: BatchNorm's running statistics, averaged over the ranks before evaluating
+  and saving, so that every rank scores, and rank 0 saves, the same model;
+- `evaluate`: each rank scores its shard of the test set; one all-reduce makes it exact (evaluation.py);
+- `d.is_main`: rank 0 alone writes checkpoints (here) and reports (report.py, whose methods do
+  nothing on other ranks); `d.from_main` hands every rank what rank 0 read (the checkpoint).
 """
 
 import inspect
 import math
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +29,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpoint, compute, datasets
 from .batches import ShardedBatches
-from .config import TrainConfig
+from .compute import autocast
+from .config import Recipe, TrainConfig
 from .distributed import Dist
 from .errors import UserError
-from .evaluation import autocast, evaluate
+from .evaluation import EvalResult, evaluate
 from .model import ConvNet
 from .report import Reporter
 
@@ -50,22 +59,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+def build_optimizer(r: Recipe, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
     """The recipe's optimizer and a per-step LR schedule over `steps` steps (None for constant LR)."""
-    assert cfg.lr is not None and cfg.momentum is not None and cfg.weight_decay is not None
     # One fused kernel per step instead of a handful per parameter: ~3x less optimizer time on the CPU.
     fused = {"fused": True} if compute.fused_optimizers(next(model.parameters()).device) else {}
-    if cfg.optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                                     weight_decay=cfg.weight_decay, **fused)
+    if r.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=r.lr, momentum=r.momentum,
+                                                     weight_decay=r.weight_decay, **fused)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.momentum, 0.999),
-                                weight_decay=cfg.weight_decay, **fused)
-    if cfg.scheduler == "onecycle":
+        opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(r.momentum, 0.999),
+                                weight_decay=r.weight_decay, **fused)
+    if r.scheduler == "onecycle":
         # A quarter of the steps warm up; OneCycleLR divides by zero when that is exactly one step.
         pct_start = 0.25 if steps * 0.25 != 1 else 0.5
-        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=pct_start)
-    if cfg.scheduler == "cosine":
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=r.lr, total_steps=steps, pct_start=pct_start)
+    if r.scheduler == "cosine":
         return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     return opt, None
 
@@ -94,8 +102,7 @@ def wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
 def average_buffers(model: nn.Module, d: Dist) -> None:
     """Replace every rank's BatchNorm running statistics by their mean over the ranks (one all-reduce).
 
-    Called before each evaluation and checkpoint, so every rank scores, and rank 0 saves, the
-    same model; the mean of the ranks' estimates also uses every rank's data, not rank 0's alone.
+    The mean of the ranks' estimates also uses every rank's data, not rank 0's alone.
     """
     stats = [b for b in model.buffers() if b.is_floating_point()]  # not num_batches_tracked: equal anyway
     if d.world_size == 1 or not stats:
@@ -105,65 +112,61 @@ def average_buffers(model: nn.Module, d: Dist) -> None:
         b.copy_(mean.view_as(b))
 
 
-def _resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
-            report: Reporter) -> Progress:
-    """Load `<out>/checkpoint.pt` if there is one. Rank 0 reads it and sends it to all ranks,
-    so nodes without a shared file system resume too."""
-    path = Path(cfg.out) / "checkpoint.pt"
-    ckpt = d.from_main(lambda: checkpoint.load_resumable(path) if path.exists() else None)
-    if ckpt is None:
-        report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
-        return Progress()
-    saved = ckpt.get("config", {})
-    current = cfg.to_dict() | {"world_size": d.world_size}
-    changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
-    if saved.get("data", {}).get("dataset") not in (None, cfg.data.dataset):
-        changed.append("dataset")
-    if changed:
-        raise UserError(f"{path} was saved with different settings ({', '.join(changed)}); "
-                        f"resume with the same settings or start a new --out.")
-    checkpoint.restore_model(model, ckpt["model"], path)
-    opt.load_state_dict(ckpt["optimizer"])
-    if sched is not None:
-        sched.load_state_dict(ckpt["scheduler"])
-    torch.set_rng_state(ckpt["rng"])
-    progress = Progress(**ckpt["progress"])
-    report.keep_epochs_before(progress.epoch)  # a metrics line of the epoch in progress was never saved in it
-    report.say(f"resume: from {path}, epoch {progress.epoch + 1} step {progress.step}")
-    return progress
+class Trainer:
+    """One run, built once: the data's batches, the model, its optimizer; `run` trains it epoch by epoch."""
 
+    def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, report: Reporter) -> None:
+        self.cfg, self.d, self.data, self.report = cfg, d, data, report
+        r = cfg.recipe
+        self.amp = compute.amp_for(r.amp, d.device)
+        self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
+        layout = {"rank": d.rank, "world": d.world_size, "device": d.device, "normalize": r.normalize,
+                  "channels_last": self.channels_last}
+        self.train_batches = ShardedBatches(data.train.images, data.train.labels, r.batch_size, shuffle=True,
+                                            seed=cfg.seed, **layout)
+        self.test_batches = ShardedBatches(data.test.images, data.test.labels, cfg.eval_batch_size, shuffle=False,
+                                           pad=False, **layout)
+        self.model = ConvNet().to(d.device)  # the plain ConvNet: evaluated and saved
+        if self.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.opt, self.sched = build_optimizer(r, self.model, len(self.train_batches) * r.epochs)
+        self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.amp == "fp16")  # a no-op unless fp16
+        self.progress = Progress()
+        self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
 
-@dataclass
-class _Loop:
-    """What every epoch uses, built once by `run`: one epoch of training, and saving."""
+    def run(self) -> EvalResult:
+        """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
+        if self.cfg.resume:
+            self._resume()
+        net = wrap(self.model, self.cfg, self.d)  # what trains; `self.model` is what is scored and saved
+        result = None
+        for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
+            seen_before, start = self.progress.seen, time.perf_counter()
+            self.train_batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            seconds = self._train_epoch(net, epoch)
+            result = evaluate(self.model, self.test_batches, self.d, self.amp)
+            speed = (self.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
+            self._record(epoch, result, speed, time.perf_counter() - start)
+            self.progress = Progress(epoch=epoch + 1, best_accuracy=max(self.progress.best_accuracy, result.accuracy))
+            self._save(self.ckpt_path)
+            if result.accuracy >= self.progress.best_accuracy:
+                self._save(self.ckpt_path.with_name("best.pt"))
+        if result is None:  # resumed a finished run: nothing left to train, so just report
+            result = evaluate(self.model, self.test_batches, self.d, self.amp)
+        return result
 
-    cfg: TrainConfig
-    d: Dist
-    model: nn.Module  # the plain ConvNet: evaluated and saved
-    net: nn.Module  # what trains: DDP (and/or torch.compile) around `model`
-    opt: torch.optim.Optimizer
-    sched: Any
-    report: Reporter
-    scaler: torch.amp.GradScaler = field(init=False)  # loss scaling for fp16; a no-op otherwise
-    ckpt_path: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.scaler = torch.amp.GradScaler(self.d.device.type, enabled=self.cfg.amp == "fp16")
-        self.ckpt_path = Path(self.cfg.out) / "checkpoint.pt"
-
-    def train_epoch(self, batches: ShardedBatches, epoch: int, progress: Progress) -> float:
-        """Train one epoch from `progress.step` on, updating `progress`; returns the seconds it took."""
-        cfg, d = self.cfg, self.d
-        batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        steps = len(batches)
+    def _train_epoch(self, net: nn.Module, epoch: int) -> float:
+        """Train one epoch from `progress.step` on; returns the seconds it took."""
+        cfg, d, progress = self.cfg, self.d, self.progress
+        steps = len(self.train_batches)
         sync(d.device)
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last all-reduce
+        loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last fold
         seen_here = 0
-        for x, y in self.report.bar(batches.iterate(skip=progress.step), steps, f"epoch {epoch + 1}/{cfg.epochs}",
-                                    initial=progress.step):
-            with autocast(d.device, cfg.amp):
-                loss = F.cross_entropy(self.net(x), y, label_smoothing=cfg.label_smoothing)
+        batches = self.train_batches.iterate(skip=progress.step)
+        for x, y in self.report.bar(batches, steps, f"epoch {epoch + 1}/{cfg.recipe.epochs}", initial=progress.step):
+            with autocast(d.device, self.amp):
+                loss = F.cross_entropy(net(x), y, label_smoothing=cfg.recipe.label_smoothing)
             self.opt.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
             self.scaler.step(self.opt)
@@ -174,90 +177,89 @@ class _Loop:
             seen_here += len(y)
             progress.step += 1
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < steps:
-                _fold(d, progress, loss_sum, seen_here)
+                self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
                 seen_here = 0
                 average_buffers(self.model, d)
-                self.save(self.ckpt_path, progress)
-        _fold(d, progress, loss_sum, seen_here)
+                self._save(self.ckpt_path)
+        self._fold(loss_sum, seen_here)
         average_buffers(self.model, d)
         sync(d.device)
         return time.perf_counter() - start
 
-    def save(self, path: Path, progress: Progress) -> None:
+    def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
+        """Add every rank's loss and image count since the last fold into `progress`."""
+        totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device)]))
+        self.progress.loss_sum += float(totals[0])
+        self.progress.seen += int(totals[1])
+
+    def _record(self, epoch: int, result: EvalResult, images_per_second: float, seconds: float) -> None:
+        """One line of metrics.jsonl, the console line and the plots (rank 0)."""
+        p, r = self.progress, self.cfg.recipe
+        self.report.epoch({
+            "epoch": epoch + 1, "epochs": r.epochs,
+            "train_loss": p.loss_sum / max(p.seen, 1),
+            "test_loss": result.loss, "test_accuracy": result.accuracy,
+            "test_correct": result.correct, "test_count": result.count,
+            "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": self.opt.param_groups[0]["lr"],
+            "world_size": self.d.world_size, "batch_size": r.batch_size, "dataset": self.data.name,
+        }, result.confusion, self.data.classes)
+
+    def _save(self, path: Path) -> None:
         """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks)."""
         if self.d.is_main:
             checkpoint.save(path, {
                 "model": checkpoint.plain_module(self.model).state_dict(),
                 "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict() if self.sched is not None else None,
-                "progress": vars(progress).copy(),
+                "progress": vars(self.progress).copy(),
                 "rng": torch.get_rng_state(),
                 "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
             })
 
+    def _resume(self) -> None:
+        """Continue from `<out>/checkpoint.pt` if there is one. Rank 0 reads it and sends it to all ranks,
+        so nodes without a shared file system resume too."""
+        cfg, path = self.cfg, self.ckpt_path
+        ckpt = self.d.from_main(lambda: checkpoint.load_resumable(path) if path.exists() else None)
+        if ckpt is None:
+            self.report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
+            return
+        saved = ckpt.get("config", {})
+        current = cfg.to_dict() | {"world_size": self.d.world_size}
+        changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
+        if saved.get("data", {}).get("dataset") not in (None, cfg.data.dataset):
+            changed.append("dataset")
+        if changed:
+            raise UserError(f"{path} was saved with different settings ({', '.join(changed)}); "
+                            f"resume with the same settings or start a new --out.")
+        checkpoint.restore_model(self.model, ckpt["model"], path)
+        self.opt.load_state_dict(ckpt["optimizer"])
+        if self.sched is not None:
+            self.sched.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"])
+        self.progress = Progress(**ckpt["progress"])
+        self.report.keep_epochs_before(self.progress.epoch)  # a line of the epoch in progress was never saved
+        self.report.say(f"resume: from {path}, epoch {self.progress.epoch + 1} step {self.progress.step}")
+
 
 def run(cfg: TrainConfig, d: Dist) -> float:
-    """Train for `cfg.epochs` epochs; returns the final test accuracy (same on every rank)."""
-    cfg = compute.resolve(cfg.resolve(), d.device)
-    assert cfg.batch_size and cfg.epochs and cfg.normalize is not None and cfg.label_smoothing is not None
-    out = Path(cfg.out)
-    report = Reporter(out, d.is_main, cfg.progress, cfg.plots)
+    """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
+    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     compute.configure_backends(d.device, cfg.deterministic)
-
-    data = datasets.load(cfg.data.request())
+    data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
+    trainer = Trainer(cfg, d, data, report)
+    r = cfg.recipe
     report.say(f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
                f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process, "
-               f"batch {cfg.batch_size} per process ({cfg.batch_size * d.world_size} global), "
-               f"{cfg.optimizer} lr {cfg.lr}, {cfg.scheduler} schedule, amp {cfg.amp}, "
-               f"channels_last {cfg.channels_last}")
-
-    common = {"rank": d.rank, "world": d.world_size, "device": d.device, "normalize": cfg.normalize,
-              "channels_last": cfg.channels_last}
-    train_batches = ShardedBatches(data.train.images, data.train.labels, cfg.batch_size, shuffle=True,
-                                   seed=cfg.seed, **common)
-    test_batches = ShardedBatches(data.test.images, data.test.labels, cfg.eval_batch_size, shuffle=False,
-                                  pad=False, **common)
-
-    model = ConvNet().to(d.device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    opt, sched = build_optimizer(cfg, model, len(train_batches) * cfg.epochs)
-    progress = _resume(cfg, d, model, opt, sched, report) if cfg.resume else Progress()
-    loop = _Loop(cfg, d, model, wrap(model, cfg, d), opt, sched, report)
-
-    result = None
-    for epoch in range(progress.epoch, cfg.epochs):
-        seen_before, start = progress.seen, time.perf_counter()
-        train_seconds = loop.train_epoch(train_batches, epoch, progress)
-        result = evaluate(model, test_batches, d, cfg.amp)
-        report.epoch({
-            "epoch": epoch + 1, "epochs": cfg.epochs,
-            "train_loss": progress.loss_sum / max(progress.seen, 1),
-            "test_loss": result.loss, "test_accuracy": result.accuracy,
-            "test_correct": result.correct, "test_count": result.count,
-            "images_per_second": (progress.seen - seen_before) / train_seconds if train_seconds > 0 else math.nan,
-            "epoch_seconds": time.perf_counter() - start, "lr": opt.param_groups[0]["lr"],
-            "world_size": d.world_size, "batch_size": cfg.batch_size, "dataset": data.name,
-        }, result.confusion, data.classes)
-        progress = Progress(epoch=epoch + 1, best_accuracy=max(progress.best_accuracy, result.accuracy))
-        loop.save(loop.ckpt_path, progress)
-        if result.accuracy >= progress.best_accuracy:
-            loop.save(out / "best.pt", progress)
-
-    if result is None:  # resumed a finished run: nothing left to train, so just report
-        result = evaluate(model, test_batches, d, cfg.amp)
+               f"batch {r.batch_size} per process ({r.batch_size * d.world_size} global), "
+               f"{r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {trainer.amp}, "
+               f"channels_last {trainer.channels_last}")
+    result = trainer.run()
     report.say(f"final: test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on "
-               f"{data.name} after {cfg.epochs} epochs, world size {d.world_size}; outputs in {out}")
+               f"{data.name} after {r.epochs} epochs, world size {d.world_size}; outputs in {cfg.out}")
     return result.accuracy
-
-
-def _fold(d: Dist, progress: Progress, loss_sum: torch.Tensor, seen_here: int) -> None:
-    """Add every rank's loss and image count since the last fold into `progress`."""
-    totals = d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=d.device)]))
-    progress.loss_sum += float(totals[0])
-    progress.seen += int(totals[1])

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import datasets
+from .config import DataConfig
 from .datasets import Split
 from .model import ConvNet
 
@@ -43,7 +44,7 @@ class PerSampleDataset(torch.utils.data.Dataset):
 class Spec:
     """One tutorial run: which data, how many epochs at most, and when to stop early."""
 
-    data: datasets.DataRequest
+    data: DataConfig
     device: str  # "cpu" or "cuda"
     epochs: int
     evaluate: bool = True  # test accuracy after each epoch (the tutorial printed only the loss)
