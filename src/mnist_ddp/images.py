@@ -46,8 +46,8 @@ def read_digit(path: Path) -> torch.Tensor:
 
 def _grey(img: Image.Image) -> Image.Image:
     """8-bit grey levels; transparent pixels become the page, in the colour that contrasts with the ink."""
-    if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grey PNG: convert("L") would clip, not scale
-        return img.point(lambda v: v / 256, "L")
+    if img.mode.startswith("I"):  # 16-bit grey PNG ("I;16", or "I" in older Pillows): convert("L") would clip
+        return img.convert("I").point(lambda v: v / 256).convert("L")
     if img.mode not in ("RGBA", "LA", "PA") and "transparency" not in img.info:
         return img.convert("L")
     grey, alpha = img.convert("RGBA").convert("LA").split()
