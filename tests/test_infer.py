@@ -1,17 +1,21 @@
-"""`evaluate` and `predict` on a checkpoint a real run saved, on bare state_dicts, PNGs and IDX files."""
+"""`evaluate` and `predict` on a checkpoint a real run saved, on bare state_dicts, images, folders and IDX files."""
 
+import io
 import re
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
-from conftest import TINY, metrics, run_cli
+from conftest import MNIST_T10K, TINY, cli_env, metrics, run_cli
 from datafiles import ONE_THREAD, one_thread
-from mnist_ddp import checkpoint, cli, idx, png, synthetic
+from mnist_ddp import checkpoint, cli, idx, images, synthetic
 from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.model import ConvNet
 
@@ -53,6 +57,15 @@ def _expected(ckpt: Path, images: torch.Tensor) -> torch.Tensor:
         return model.eval()(x).argmax(1)
 
 
+def _gray(image: torch.Tensor) -> Image.Image:
+    """A (H, W) uint8 tensor as a Pillow greyscale image."""
+    return Image.frombytes("L", (image.shape[1], image.shape[0]), bytes(image.flatten().tolist()))
+
+
+def _tensor(img: Image.Image) -> torch.Tensor:
+    return torch.tensor(list(img.tobytes()), dtype=torch.uint8).reshape(img.height, img.width)
+
+
 def _predicted(stdout: str) -> list[int]:
     return [int(m) for m in re.findall(r": (\d) \(", stdout)]
 
@@ -76,7 +89,7 @@ def test_predict_png_and_idx(run: Path, digits: tuple[torch.Tensor, torch.Tensor
     pngs = []
     for i, image in enumerate(images):
         pngs.append(tmp_path / f"digit{i}.png")
-        png.write_gray(pngs[-1], image)
+        _gray(image).save(pngs[-1])
     code, out, _ = _main(capsys, "predict", str(ckpt), *map(str, pngs))
     assert code == 0 and _predicted(out) == expected, out
     assert all(line.startswith(f"{p}: ") for line, p in zip(out.splitlines(), pngs))
@@ -98,9 +111,9 @@ def test_predict_png_light_background_and_other_size(run: Path, digits: tuple[to
     """A dark digit on white paper is inverted, and a 56x56 image is scaled down to the same 28x28."""
     image = digits[0][0]
     paths = {"plain": tmp_path / "plain.png", "paper": tmp_path / "paper.png", "big": tmp_path / "big.png"}
-    png.write_gray(paths["plain"], image)
-    png.write_gray(paths["paper"], 255 - image)
-    png.write_gray(paths["big"], image.repeat_interleave(2, 0).repeat_interleave(2, 1))
+    _gray(image).save(paths["plain"])
+    _gray(255 - image).save(paths["paper"])
+    _gray(image.repeat_interleave(2, 0).repeat_interleave(2, 1)).save(paths["big"])
     code, out, _ = _main(capsys, "predict", str(run / "checkpoint.pt"), *map(str, paths.values()))
     assert code == 0
     answers = [line.split(": ", 1)[1] for line in out.splitlines()]
@@ -116,7 +129,7 @@ def test_bare_and_prefixed_state_dicts_load(run: Path, digits: tuple[torch.Tenso
     torch.save(model.state_dict(), plain)  # what the tutorial saves
     torch.save({f"module.{k}": v for k, v in weights.items()}, prefixed)  # a DDP model's state_dict
     image = tmp_path / "d.png"
-    png.write_gray(image, digits[0][0])
+    _gray(digits[0][0]).save(image)
     answers = []
     for ckpt in (plain, prefixed):
         code, out, err = _main(capsys, "predict", str(ckpt), str(image))
@@ -128,8 +141,8 @@ def test_bare_and_prefixed_state_dicts_load(run: Path, digits: tuple[torch.Tenso
     assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("case", ["labels file", "32x32 images", "missing file", "not a png", "missing checkpoint",
-                                  "not a checkpoint", "empty checkpoint"])
+@pytest.mark.parametrize("case", ["labels file", "32x32 images", "missing file", "folder without images",
+                                  "missing checkpoint", "not a checkpoint", "empty checkpoint"])
 def test_predict_bad_input_is_one_line_exit_2(run: Path, tmp_path: Path, case: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     ckpt, target = run / "checkpoint.pt", tmp_path / "input"
@@ -137,9 +150,9 @@ def test_predict_bad_input_is_one_line_exit_2(run: Path, tmp_path: Path, case: s
         idx.write(target, torch.zeros(3, dtype=torch.uint8))
     elif case == "32x32 images":
         idx.write(target, torch.zeros(2, 32, 32, dtype=torch.uint8))
-    elif case == "not a png":
-        target = tmp_path / "fake.png"
-        target.write_bytes(b"GIF89a")
+    elif case == "folder without images":
+        target.mkdir()
+        (target / "notes.txt").write_text("no digits here")
     elif case == "missing checkpoint":
         ckpt = tmp_path / "nope.pt"
     elif case in ("not a checkpoint", "empty checkpoint"):
@@ -147,7 +160,7 @@ def test_predict_bad_input_is_one_line_exit_2(run: Path, tmp_path: Path, case: s
         ckpt.write_bytes(b"junk" if case == "not a checkpoint" else b"")
     if "checkpoint" in case:
         target = tmp_path / "d.png"
-        png.write_gray(target, torch.zeros(28, 28, dtype=torch.uint8))
+        _gray(torch.zeros(28, 28, dtype=torch.uint8)).save(target)
     code, out, err = _main(capsys, "predict", str(ckpt), str(target))
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
@@ -155,53 +168,166 @@ def test_predict_bad_input_is_one_line_exit_2(run: Path, tmp_path: Path, case: s
     assert str(ckpt if "checkpoint" in case else target) in lines[0]
 
 
-# --- png.py: the reader must undo every PNG row filter and colour type, not only what write_gray makes ---
 
 
-def _filtered_png(pixels: torch.Tensor, colour: int) -> bytes:
-    """A PNG of (H, W, C) uint8 `pixels` whose rows cycle through all five filter types."""
-    height, width, channels = pixels.shape
-    rows = pixels.reshape(height, width * channels).tolist()
-    raw = b""
-    prev = [0] * (width * channels)
-    for r, line in enumerate(rows):
-        kind = r % 5
-        out = []
-        for i, x in enumerate(line):
-            a = line[i - channels] if i >= channels else 0
-            b, c = prev[i], prev[i - channels] if i >= channels else 0
-            out.append((x - (0, a, b, (a + b) // 2, png._paeth(a, b, c))[kind]) & 0xFF)
-        raw += bytes([kind, *out])
-        prev = line
+# --- image files: every format, any size, grey or colour, decoded to the digit itself ---
 
+
+def _rgba(colour: int, alpha: Image.Image) -> Image.Image:
+    """Ink of one grey `colour` on a transparent page, `alpha` saying where the ink is."""
+    ink = Image.new("L", alpha.size, colour)
+    return Image.merge("RGBA", (ink, ink, ink, alpha))
+
+
+LOSSLESS = {  # name: (how to turn the digit into the saved image, file suffix)
+    "png grey": (lambda g: g, ".png"),
+    "png 16-bit grey": (lambda g: g.point(lambda v: v * 256, "I").convert("I;16"), ".png"),
+    "png rgb": (lambda g: g.convert("RGB"), ".png"),
+    "png palette": (lambda g: g.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=256), ".png"),
+    "png rgba, dark ink on transparent": (lambda g: _rgba(0, g), ".png"),
+    "png rgba, light ink on transparent": (lambda g: _rgba(255, g), ".png"),
+    "png on white paper": (lambda g: Image.eval(g, lambda v: 255 - v), ".png"),
+    "bmp": (lambda g: g.convert("RGB"), ".bmp"),
+    "gif": (lambda g: g, ".gif"),
+    "large png, 5600x5600": (lambda g: g.resize((5600, 5600), Image.Resampling.NEAREST), ".png"),
+}
+
+
+@pytest.mark.parametrize("kind", LOSSLESS)
+def test_lossless_images_decode_to_the_digit(digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path,
+                                             kind: str) -> None:
+    image = digits[0][0]
+    make, suffix = LOSSLESS[kind]
+    path = tmp_path / f"digit{suffix}"
+    make(_gray(image)).save(path)
+    got = images.read_digit(path)
+    if kind == "png palette":  # 256 colours may not hold every grey level of the digit exactly
+        assert (got.int() - image.int()).abs().max() <= 2
+    else:
+        assert torch.equal(got, image)
+
+
+def test_gif_is_read_by_its_first_frame(digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+    first, second = digits[0][:2]
+    path = tmp_path / "anim.gif"
+    _gray(first).save(path, save_all=True, append_images=[_gray(second)])
+    assert Image.open(path).n_frames == 2
+    assert torch.equal(images.read_digit(path), first)
+
+
+@pytest.mark.parametrize("side", [28, 2240])
+def test_jpeg_decodes_close_to_the_digit(digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path,
+                                         side: int) -> None:
+    """Lossy, so close rather than equal; the 2240x2240 one is decoded at 1/8 scale (draft) on white paper."""
+    image = digits[0][0]
+    path = tmp_path / "digit.jpg"
+    Image.eval(_gray(image), lambda v: 255 - v).convert("RGB").resize((side, side), Image.Resampling.NEAREST).save(
+        path, quality=95)
+    assert (images.read_digit(path).float() - image.float()).abs().mean() < 4
+
+
+def test_a_tall_image_keeps_its_aspect_ratio(digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+    """56x112 with the digit (doubled) in its middle becomes a 14x14 digit centred in black, not a stretched one."""
+    digit = _gray(digits[0][0])
+    tall = Image.new("L", (56, 112))
+    tall.paste(digit.resize((56, 56), Image.Resampling.NEAREST), (0, 28))
+    tall.save(tmp_path / "tall.png")
+    expected = torch.zeros(28, 28, dtype=torch.uint8)
+    expected[7:21, 7:21] = _tensor(digit.resize((14, 14), Image.Resampling.BOX))
+    assert (images.read_digit(tmp_path / "tall.png").int() - expected.int()).abs().max() <= 1
+
+
+@pytest.mark.skipif(not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").is_file(), reason=f"no MNIST in {MNIST_T10K}")
+def test_real_mnist_digits_as_png_and_jpeg_predict_as_from_idx(run: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    real = idx.read(MNIST_T10K / "t10k-images-idx3-ubyte.gz", idx.IMAGES_MAGIC)[:8]
+    ckpt = run / "checkpoint.pt"
+    idx.write(tmp_path / "real-idx3-ubyte", real)
+    for i, image in enumerate(real):
+        _gray(image).save(tmp_path / f"{i}.png")
+        _gray(image).convert("RGB").save(tmp_path / f"{i}.jpg", quality=95)
+    code, out, _ = _main(capsys, "predict", str(ckpt), str(tmp_path / "real-idx3-ubyte"))
+    assert code == 0
+    from_idx = [line.split(": ", 1)[1] for line in out.splitlines()]
+    code, out, _ = _main(capsys, "predict", str(ckpt), *(str(tmp_path / f"{i}.png") for i in range(len(real))))
+    assert code == 0 and [line.split(": ", 1)[1] for line in out.splitlines()] == from_idx  # the same numbers
+    code, out, _ = _main(capsys, "predict", str(ckpt), *(str(tmp_path / f"{i}.jpg") for i in range(len(real))))
+    assert code == 0 and _predicted(out) == [int(answer[0]) for answer in from_idx]
+
+
+def test_predict_a_folder(run: Path, digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Its image files in name order; other files, hidden files and subfolders are skipped."""
+    folder = tmp_path / "scans"
+    (folder / "sub").mkdir(parents=True)
+    names = ["a.png", "b.JPG", "c.gif", "d.bmp"]
+    for name, image in zip(names, digits[0]):
+        _gray(image).convert("RGB" if name.endswith(".JPG") else "L").save(folder / name)
+    _gray(digits[0][5]).save(folder / "sub" / "e.png")
+    (folder / "notes.txt").write_text("not an image")
+    (folder / "._a.png").write_bytes(b"\x00\x05\x16\x07 a macOS resource fork")
+    code, out, err = _main(capsys, "predict", str(run / "checkpoint.pt"), str(folder), str(folder / "a.png"))
+    assert code == 0, err
+    assert [line.split(": ")[0] for line in out.splitlines()] == [str(folder / n) for n in [*names, "a.png"]]
+    assert _predicted(out)[0] == _predicted(out)[-1]
+
+
+# --- hostile or broken image files: one line and exit 2, without decoding what they declare ---
+
+
+def _png(width: int, height: int, rows: bytes) -> bytes:
+    """A PNG whose header declares `width`x`height` 8-bit grey pixels, and whose IDAT holds only `rows`."""
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    header = struct.pack(">IIBBBBB", width, height, 8, colour, 0, 0, 0)
-    return png.SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
-def test_png_round_trip(tmp_path: Path) -> None:
-    image = torch.randint(0, 256, (28, 31), dtype=torch.uint8)
-    png.write_gray(tmp_path / "x.png", image)
-    assert torch.equal(png.read_gray(tmp_path / "x.png"), image)
+def _noise(fmt: str) -> bytes:
+    """A 64x64 image of random grey levels, so that nothing compresses it much, as `fmt` bytes."""
+    out = io.BytesIO()
+    _gray(torch.randint(0, 256, (64, 64), dtype=torch.uint8)).save(out, fmt)
+    return out.getvalue()
 
 
-@pytest.mark.parametrize(("colour", "channels"), [(0, 1), (2, 3), (4, 2), (6, 4)])
-def test_png_filters_and_colour_types(tmp_path: Path, colour: int, channels: int) -> None:
-    gray = torch.randint(0, 256, (11, 9), dtype=torch.uint8)
-    pixels = gray[..., None].repeat(1, 1, channels)
-    if channels in (2, 4):
-        pixels[..., -1] = 255  # opaque: compositing onto black changes nothing
-    path = tmp_path / "x.png"
-    path.write_bytes(_filtered_png(pixels, colour))
-    assert torch.equal(png.read_gray(path), gray)
+BOMB = _png(100_000, 100_000, bytes(100_001))  # 10^10 pixels declared (10 GB to decode), one row of data
+HOSTILE = {  # case: (suffix, content, what the message must say)
+    "100000x100000 png": (".png", lambda: BOMB, "decompression bomb"),
+    "10000x10000 png, past our limit only": (".png", lambda: _png(10_000, 10_000, bytes(10_001)), "bomb"),
+    "truncated png": (".png", lambda: _noise("PNG")[:-200], "damaged"),
+    "truncated jpeg": (".jpg", lambda: _noise("JPEG")[:-200], "damaged"),
+    "text named .png": (".png", lambda: b"a digit, honest\n", "not a PNG, JPEG, BMP, GIF image"),
+    "gif header named .png": (".png", lambda: b"GIF89a", "image"),
+    "empty png": (".png", lambda: b"", "not a PNG"),
+    "0x28 png": (".png", lambda: _png(0, 28, b""), "image"),
+}
 
 
-def test_png_damage_is_a_user_error(tmp_path: Path) -> None:
-    path = tmp_path / "x.png"
-    png.write_gray(path, torch.zeros(28, 28, dtype=torch.uint8))
-    path.write_bytes(path.read_bytes()[:-30])
-    with pytest.raises(Exception, match=re.escape(str(path))) as e:
-        png.read_gray(path)
-    assert type(e.value).__name__ == "UserError"
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_images_are_one_line_exit_2(run: Path, tmp_path: Path, case: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    suffix, content, why = HOSTILE[case]
+    target = tmp_path / f"input{suffix}"
+    target.write_bytes(content())
+    code, out, err = _main(capsys, "predict", str(run / "checkpoint.pt"), str(target))
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"mnist-ddp: error: {target}: ") and why in lines[0], err
+
+
+def test_a_decompression_bomb_is_refused_in_bounded_memory(run: Path, tmp_path: Path) -> None:
+    """The real CLI in a child; a fresh helper process runs only that child, so RUSAGE_CHILDREN's peak
+    RSS is the child's alone (pytest's own earlier children would count otherwise)."""
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(BOMB)
+    helper = ("import resource, subprocess, sys\n"
+              "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+              "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+              "sys.stderr.write(r.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", helper, sys.executable, "-m", "mnist_ddp", "predict",
+                        str(run / "checkpoint.pt"), str(bomb)],
+                       env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
+    code, peak_kib = map(int, r.stdout.split())
+    assert code == 2 and len(r.stderr.strip().splitlines()) == 1 and str(bomb) in r.stderr, r.stderr
+    assert peak_kib < 1.5 * 2**20, f"peak RSS {peak_kib} KiB"  # 1.5 GiB

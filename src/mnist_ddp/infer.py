@@ -4,9 +4,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from . import checkpoint, datasets, idx, png
+from . import checkpoint, datasets, idx, images
 from .batches import ShardedBatches, model_input
 from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
@@ -37,22 +36,32 @@ def run_evaluate(cfg: EvalConfig) -> int:
     return 0
 
 
+def _inputs(names: tuple[str, ...]) -> list[Path]:
+    """The files to classify: each FILE, or the image files of a FOLDER (sorted by name; subfolders,
+    hidden files and files not named like an image are skipped). Missing ones are refused up front."""
+    paths = []
+    for name in map(Path, names):
+        if name.is_dir():
+            # hidden files include macOS's "._digit.png" resource forks, which are not images
+            found = sorted(p for p in name.iterdir() if images.is_image(p) and p.is_file() and p.name[0] != ".")
+            if not found:
+                raise UserError(f"{name}: a folder with no {'/'.join(images.SUFFIXES)} files.")
+            paths += found
+        elif name.is_file():
+            paths.append(name)
+        else:
+            raise UserError(f"{name}: no such file or folder.")
+    return paths
+
+
 def _images(path: Path) -> torch.Tensor:
-    """(N, 28, 28) uint8 images from a PNG (any size, resized; inverted if dark-on-light) or an IDX file."""
-    if not path.is_file():
-        raise UserError(f"{path}: no such file.")
-    if path.suffix.lower() == ".png":
-        img = png.read_gray(path).float()
-        border = torch.cat([img[0], img[-1], img[:, 0], img[:, -1]])
-        if border.mean() > 127:  # dark digit on a light page: MNIST is light on dark
-            img = 255 - img
-        if img.shape != (28, 28):
-            img = F.interpolate(img[None, None], size=(28, 28), mode="area")[0, 0]
-        return img.round().clamp(0, 255).to(torch.uint8)[None]
-    images = idx.read(path, idx.IMAGES_MAGIC)
-    if images.shape[1:] != (28, 28):
-        raise UserError(f"{path}: images are {tuple(images.shape[1:])}, the model needs 28x28.")
-    return images
+    """(N, 28, 28) uint8 images from an image file (one image) or an IDX file."""
+    if images.is_image(path):
+        return images.read_digit(path)[None]
+    found = idx.read(path, idx.IMAGES_MAGIC)
+    if found.shape[1:] != (28, 28):
+        raise UserError(f"{path}: images are {tuple(found.shape[1:])}, the model needs 28x28.")
+    return found
 
 
 def run_predict(cfg: PredictConfig) -> int:
@@ -60,13 +69,13 @@ def run_predict(cfg: PredictConfig) -> int:
     device = pick_device(cfg.device, 0)
     model.to(device).eval()
     classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits
-    for name in cfg.files:
-        images = _images(Path(name))
-        x = model_input(images.to(device), _normalizes(ckpt))
+    for path in _inputs(cfg.files):
+        batch = _images(path)
+        x = model_input(batch.to(device), _normalizes(ckpt))
         with torch.inference_mode():
             probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
         top = probs.topk(cfg.top, dim=1)
         for i, (p, c) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            where = name if len(images) == 1 else f"{name}[{i}]"
+            where = path if len(batch) == 1 else f"{path}[{i}]"
             print(f"{where}: " + ", ".join(f"{classes[k]} ({100 * q:.1f}%)" for k, q in zip(c, p)))
     return 0
