@@ -173,7 +173,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class PredictConfig:
-    """`mnist-ddp predict CKPT FILE…`: classify PNG images or the images of an IDX file."""
+    """`mnist-ddp predict CKPT FILE…`: classify images, folders of them, or IDX files."""
 
     checkpoint: str
     files: tuple[str, ...]
