@@ -359,7 +359,8 @@ def run(args: argparse.Namespace) -> dict:
                 for n, t in found.items():
                     pred = ring_time(n, world, alpha, beta)
                     holdout.append({"link": link, "world": world, "bytes": n, "kind": kind, "measured_seconds": t,
-                                    "predicted_seconds": pred, "relative_error": (pred - t) / t})
+                                    "predicted_seconds": pred, "relative_error": (pred - t) / t,
+                                    "more_ranks_than_cores": world > (os.cpu_count() or 1)})
     links = {link: (f["alpha_seconds"], f["beta_seconds_per_byte"], "fitted") for link, f in fits.items()}
     links |= {link: (alpha, 1 / bw, "assumed") for link, (alpha, bw) in STATED_LINKS.items()}
     measured_steps = [{"link": link, "world": world, "batch": batch,
@@ -404,6 +405,10 @@ def summary(r: dict) -> str:
         lines.append(f"  {h['link']:16s} world {h['world']} {h['bytes']:>9,} B {h['kind']:19s} measured "
                      f"{h['measured_seconds'] * 1e3:8.3f} ms  predicted {h['predicted_seconds'] * 1e3:8.3f} ms  "
                      f"{h['relative_error']:+.0%}")
+    if any(h["more_ranks_than_cores"] for h in r["holdout"]):
+        lines.append(f"  (worlds above {r['machine']['cpus']} ranks share cores: each hop also waits for the "
+                     "scheduler, which the model does not describe)")
+    lines.append("  (in a training step the all-reduce also waits for the slowest rank's compute)")
     lines.append("predicted efficiency at 8 / 64 / 1,024 ranks; last rank count still >= 50% efficient:")
     for link, pr in r["predictions"].items():
         for batch in map(str, BATCHES):
@@ -436,7 +441,7 @@ def plot(r: dict, path: Path) -> bool:
             if seen:
                 ax.plot(*zip(*seen), "o", color=color, ms=6, mec="black")
         ax.axhline(0.5, color="gray", ls="--", lw=1)
-        ax.set(xscale="log", xlabel="ranks", title=f"batch {batch} per rank", ylim=(0, 1.05))
+        ax.set(xscale="log", xlabel="ranks", title=f"batch {batch} per rank", ylim=(0, 1.15))
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("efficiency = images/s / (ranks x one rank's images/s)")
     axes[1].legend(fontsize=7, loc="lower left", title_fontsize=7,
