@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -81,7 +81,8 @@ def fit(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     message cannot drown the 4 B ones that carry the latency. Non-negative: when noise drives one
     term below zero, it is zero and the other is refitted alone.
     """
-    rows = [(2 * (p - 1) / t, 2 * (p - 1) / p * n / t) for n, p, t in points]  # target: 1 for every row
+    # ring_time is linear in (alpha, beta): its two coefficients per point, over the time. Target: 1 for every row.
+    rows = [(ring_time(n, p, 1.0, 0.0) / t, ring_time(n, p, 0.0, 1.0) / t) for n, p, t in points]
     saa, sab, sbb = (sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows))
     sa, sb = sum(a for a, _ in rows), sum(b for _, b in rows)
     det = saa * sbb - sab * sab
@@ -280,7 +281,7 @@ def _sh(*cmd: str, check: bool = True) -> None:
 
 
 @contextmanager
-def two_machines() -> Iterator[tuple[list[tuple[list[str], str, str]], "callable"]]:
+def two_machines() -> Iterator[tuple[list[tuple[list[str], str, str]], Callable[[float | None], None]]]:
     """Two namespaces joined by a veth pair, always deleted; yields the places and a shape(rate) function."""
     tag = uuid.uuid4().hex[:6]
     names, links = (f"mddp-scaling-{tag}-0", f"mddp-scaling-{tag}-1"), (f"msc{tag}a", f"msc{tag}b")
