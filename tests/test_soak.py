@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from mnist_ddp import identity, launch, rendezvous
+from mnist_ddp import identity, launch, outdir, rendezvous
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from procfs import children, listening_inodes, needs_proc, socket_inodes
 
@@ -61,11 +61,12 @@ def test_twenty_runs_leak_no_port_process_or_file(tmp_path: Path) -> None:
         for run in range(RUNS):
             out = tmp_path / f"run{run:02d}"
             cfg = _config(out, run)
-            launch.check_out_dir(out, resume=False)  # what the parent does before it spawns
+            claim = outdir.claim(out, resume=False)  # what the parent does before it spawns
             store = rendezvous.host_store("127.0.0.1", 0, WORLD, timedelta(seconds=60))
             for r in range(WORLD):
                 jobs[r].put((identity.spawned(0, r, WORLD, 1, "127.0.0.1", store.port), cfg))
             reports = sorted(results.get(timeout=120) for _ in range(WORLD))
+            claim.release()
             del store
             assert [error for _, error, _, _ in reports] == [None] * WORLD, (run, reports)
             fds.append([n for _, _, n, _ in reports])

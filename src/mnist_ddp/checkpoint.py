@@ -4,11 +4,10 @@ Saved: the plain model's state_dict (no `module.`/`_orig_mod.` prefixes, so it l
 into the tutorial's model as it is), optimizer, scheduler, progress, RNG state and the
 config — plain tensors and Python values only, so `torch.load(weights_only=True)`
 reads it and a checkpoint from a stranger cannot run code. A save writes a temp file,
-fsyncs it and renames it over the old one, so a crash mid-save leaves the previous
-checkpoint whole.
+fsyncs it and renames it over the old one, so a crash or a full disk mid-save leaves the
+previous checkpoint whole.
 """
 
-import os
 import pickle
 import re
 import struct
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import atomic
 from .errors import UserError
 from .model import ConvNet
 
@@ -47,28 +47,11 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save(path: Path, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically: temp file, fsync, rename, fsync the folder.
+    """Write `payload` to `path` atomically (`atomic.write`: temp file, fsync, rename).
 
-    Whenever the writer dies, `path` is the old checkpoint or the new one, never a mix. A writer killed
-    mid-save leaves its temp file behind; the next save of the same file removes it (one writer per
-    file: rank 0).
+    Whenever the writer dies, or the disk fills up, `path` is the old checkpoint or the new one, never a mix.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        stale.unlink(missing_ok=True)
-    try:
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic.write(path, lambda f: torch.save({"format": FORMAT, **payload}, f))
 
 
 def load(path: Path) -> dict[str, Any]:

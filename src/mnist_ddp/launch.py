@@ -14,10 +14,9 @@ written is never left half-done), and the parent takes its children down with it
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -25,7 +24,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import compute, distributed, identity, rendezvous, train
+from . import compute, distributed, identity, outdir, rendezvous, train
 from .config import TrainConfig
 from .distributed import PeerFailure
 from .errors import UserError
@@ -59,10 +58,10 @@ def _signals_interrupt() -> Iterator[None]:
 def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> int:
     """One rank, start to finish: device, cores, process group, training; the group is always left.
 
-    `check_out`: rank 0 checks --out here, after joining, so that a bad one stops every rank at once
-    (torchrun and srun start all ranks before any of them could look).
+    `check_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
+    once (torchrun and srun start all ranks before any of them could look).
     """
-    with _signals_interrupt():
+    with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         device = distributed.pick_device(cfg.device, ident.local_rank)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size)
@@ -70,7 +69,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         finished = False
         try:
             if check_out:
-                d.from_main(lambda: check_out_dir(Path(cfg.out), cfg.resume))
+                d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
             train.run(cfg, d)
             finished = True
             return 0
@@ -84,18 +83,6 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             raise
         finally:
             distributed.teardown(together=finished)
-
-
-def check_out_dir(out: Path, resume: bool) -> None:
-    """Refuse an --out that we cannot write or that holds a run we would overwrite."""
-    if not resume and ((out / "checkpoint.pt").exists() or (out / "metrics.jsonl").exists()):
-        raise UserError(f"{out} already holds a run; pass --resume to continue it, or choose another --out.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise UserError(f"--out {out} is not a writable folder ({e.strerror}).") from e
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -137,6 +124,15 @@ def _stop(children: mp.ProcessContext) -> None:
             p.join()
 
 
+def _cause(errors: "mp.SimpleQueue") -> UserError:
+    """Of the children's errors, the one that started it: a PeerFailure only echoes another rank's failure
+    (rank 0 that could not write a checkpoint, and the rank that then lost contact with it, both report)."""
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    return next((e for e in found if not isinstance(e, PeerFailure)), found[0])
+
+
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
     addr = cfg.master_addr or "127.0.0.1"
@@ -158,7 +154,7 @@ def spawn(cfg: TrainConfig) -> int:
                                   f"processes were stopped. Run again with --resume to continue from the last "
                                   f"checkpoint.") from None
             if not errors.empty():
-                raise errors.get() from None
+                raise _cause(errors) from None
             if e.exit_code == 130 or e.signal_name:
                 raise KeyboardInterrupt from None
             raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None
@@ -179,8 +175,8 @@ def launch(cfg: TrainConfig) -> int:
             raise UserError(f"{ident.launcher} already started {ident.world_size} processes; "
                             f"-n/-g/-nr are for mnist-ddp's own launcher, so leave them out.")
         return run_worker(ident, cfg, check_out=True)
-    if cfg.node_rank == 0:  # rank 0, on node 0, is the only writer
-        check_out_dir(Path(cfg.out), cfg.resume)
-    if cfg.world_size == 1:
-        return run_worker(Identity(), cfg)
-    return spawn(cfg)
+    # Rank 0, on node 0, is the only writer; this process outlives it, so it holds --out for the whole run.
+    with outdir.claim(Path(cfg.out), cfg.resume) if cfg.node_rank == 0 else nullcontext():
+        if cfg.world_size == 1:
+            return run_worker(Identity(), cfg)
+        return spawn(cfg)

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
+from . import atomic
+
 T = TypeVar("T")
 
 
@@ -38,23 +40,25 @@ class Reporter:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
         if not (self.enabled and self.metrics_path.exists()):
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["epoch"] <= epoch]
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.metrics_path)
+        self._write_metrics([line for line in self.metrics_path.read_text().splitlines()
+                             if line.strip() and json.loads(line)["epoch"] <= epoch])
 
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
         """Record one finished epoch: console line, metrics.jsonl, and the plots."""
         if not self.enabled:
             return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        self._write_metrics([*before, json.dumps(metrics)])
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
         if self.plots:
             self._plot(confusion, classes)
+
+    def _write_metrics(self, lines: list[str]) -> None:
+        """Rewrite metrics.jsonl whole (it is small), rather than append: a full disk or a kill mid-write
+        leaves the previous lines, never half a line."""
+        atomic.write(self.metrics_path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
 
     def history(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -79,7 +83,7 @@ class Reporter:
         ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
         fig.tight_layout()
-        fig.savefig(self.out / "curves.png", dpi=100)
+        _save_figure(fig, self.out / "curves.png")
         plt.close(fig)
 
         fig, ax = plt.subplots(figsize=(7, 6))
@@ -92,5 +96,11 @@ class Reporter:
             ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
                     color="white" if n > confusion.max().item() / 2 else "black")
         fig.tight_layout()
-        fig.savefig(self.out / "confusion.png", dpi=100)
+        _save_figure(fig, self.out / "confusion.png")
         plt.close(fig)
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    """A plot, replaced whole like every output: a disk too full for it ends the run (`atomic.write`) rather than
+    leave a broken PNG, since the checkpoint written right after it would not fit either."""
+    atomic.write(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -1,0 +1,190 @@
+"""One run per --out, and a full disk that never costs a run.
+
+A second run into a busy --out is refused before it writes anything, while the first goes on unharmed;
+a SIGKILLed run leaves no lock behind. A disk that fills up mid-run (a real tmpfs, filled by the test
+while the run trains) ends the run with one line and exit 1, and leaves the previous checkpoint
+loadable, metrics.jsonl without a half line and no temp file. Real processes throughout, watched from
+outside as in test_faults.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metrics
+from mnist_ddp import checkpoint, outdir
+from mnist_ddp.errors import UserError, WriteFailed
+from mnist_ddp.report import Reporter
+from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
+from test_faults import HANG, _progress, _temp_files, _train
+
+pytestmark = needs_proc
+
+NO_SPACE = r"no space left on device writing .*; the previous checkpoint is intact"
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("mnist-ddp: error: ")]
+
+
+# --- one run per --out ------------------------------------------------------------------------------------
+
+def test_claim_refuses_a_second_holder_and_leaves_no_trace(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    first = outdir.claim(out, resume=False)
+    with pytest.raises(UserError, match=rf"is in use by another run \(pid {os.getpid()} on "):
+        outdir.claim(out, resume=True)  # a second open file: flock refuses it even in the same process
+    assert [p.name for p in out.iterdir()] == [outdir.LOCK]
+    first.release()
+    assert list(out.iterdir()) == []  # a run that ends on its own takes its lock file with it
+    (out / outdir.LOCK).write_text("pid 1 on a node that crashed")  # what a SIGKILLed holder leaves
+    # A lock file nobody holds is no run, and no obstacle; its new holder names itself.
+    with outdir.claim(out, resume=False), pytest.raises(UserError, match=rf"another run \(pid {os.getpid()} on "):
+        outdir.claim(out, resume=True)
+    assert list(out.iterdir()) == []
+
+
+def test_second_run_into_a_busy_out_is_refused_and_the_first_finishes(tmp_path: Path) -> None:
+    """A spawn job (-g 2: its parent holds the lock) is frozen while two more runs start into its --out, the
+    same command line a double submission would give: one process, and a torchrun-style pair (rank 0 checks
+    after joining). All are refused with one line, exit 2, without touching the folder; the first then
+    finishes whole."""
+    env, mark = marked_env()
+    out = tmp_path / "out"
+    args = ["--resume", "--epochs", "2", "--checkpoint-every", "2"]
+    with reaped(mark):
+        first = start(_train(out, "-n", "1", "-g", "2", *args, samples=2000), env, tmp_path, tmp_path / "first.log")
+        wait_for("the first run's checkpoint", lambda: _progress(out), HANG, running=first)
+        os.killpg(first.pid, signal.SIGSTOP)  # frozen, it still holds the lock: the kernel keeps it
+        try:
+            before = {p.name: p.read_bytes() for p in out.iterdir()}
+            pair = env | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+            seconds = {"single": start(_train(out, *args), env, tmp_path, tmp_path / "single.log")}
+            for r in range(2):
+                seconds[f"rank{r}"] = start(_train(out, *args), pair | {"RANK": str(r)}, tmp_path,
+                                            tmp_path / f"rank{r}.log")
+            for name, proc in seconds.items():
+                rc, log = finish(proc, tmp_path / f"{name}.log", HANG)
+                assert rc == 2, f"{name}: {log}"
+                assert _error_lines(log) == [f"mnist-ddp: error: --out {out} is in use by another run (pid "
+                                             f"{first.pid} on {socket.gethostname()}); wait for it to end, or "
+                                             f"choose another --out."], f"{name}: {log}"
+                assert "Traceback" not in log, f"{name}: {log}"
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused before writing anything
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
+        rc, log = finish(first, tmp_path / "first.log", HANG)
+    assert rc == 0, log
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
+    assert checkpoint.load(out / "checkpoint.pt")["progress"]["epoch"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "checkpoint.pt", "metrics.jsonl"]
+
+
+def test_sigkilled_run_leaves_no_stale_lock(tmp_path: Path) -> None:
+    """The lock dies with its holder: after a SIGKILL (its lock file still there) --resume takes over."""
+    env, mark = marked_env()
+    out = tmp_path / "out"
+    args = ["--resume", "--epochs", "2", "--checkpoint-every", "2"]
+    with reaped(mark):
+        victim = start(_train(out, *args, samples=2000), env, tmp_path, tmp_path / "victim.log")
+        wait_for("a checkpoint", lambda: _progress(out), HANG, running=victim)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        assert (out / outdir.LOCK).exists()
+        rc, log = finish(start(_train(out, *args, samples=2000), env, tmp_path, tmp_path / "again.log"),
+                         tmp_path / "again.log", HANG)
+    assert rc == 0, log
+    assert f"resume: from {out / 'checkpoint.pt'}" in log, log
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
+    assert not (out / outdir.LOCK).exists()
+
+
+# --- a full disk -------------------------------------------------------------------------------------------
+
+@contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A small tmpfs mounted at `where` for the block; the test is skipped where that is not allowed."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        # Lazy: after a failed test its processes, just SIGKILLed, may still hold files there for a moment.
+        subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+def _fill(folder: Path) -> None:
+    """Write a filler file until the file system has not one byte left."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _epoch(n: int) -> dict:
+    return {"epoch": n, "epochs": 9, "train_loss": 1.0, "test_loss": 1.0, "test_accuracy": 0.5,
+            "images_per_second": 1.0, "epoch_seconds": 1.0}
+
+
+def test_writers_on_a_full_disk_keep_what_was_there(tmp_path: Path) -> None:
+    with _tmpfs(tmp_path / "fs", "1m") as fs:
+        report = Reporter(fs, enabled=True, progress=False, plots=False)
+        report.epoch(_epoch(1), torch.zeros(10, 10), ())
+        checkpoint.save(fs / "checkpoint.pt", {"model": {"w": torch.ones(1000)}})
+        _fill(fs)
+        with pytest.raises(WriteFailed, match=NO_SPACE) as failed:
+            report.epoch(_epoch(2), torch.zeros(10, 10), ())
+        assert "metrics.jsonl" in str(failed.value) and failed.value.exit_code == 1
+        with pytest.raises(WriteFailed, match=NO_SPACE):
+            checkpoint.save(fs / "checkpoint.pt", {"model": {"w": torch.zeros(1000)}})
+        with pytest.raises(WriteFailed, match=NO_SPACE):
+            report.keep_epochs_before(1)  # rewrites the one line: no room for it
+        assert metrics(fs) == [_epoch(1)]
+        assert (fs / "metrics.jsonl").read_text().endswith("}\n")
+        assert torch.equal(checkpoint.load(fs / "checkpoint.pt")["model"]["w"], torch.ones(1000))
+        assert _temp_files(fs) == []
+
+
+def test_disk_full_mid_run_ends_it_with_one_line_and_exit_1(tmp_path: Path) -> None:
+    """One process and a spawn job (-g 2), each into its own small tmpfs that the test fills once the first
+    epoch is saved. The job ends (the other rank does not wait for --timeout), says why in one line,
+    and leaves a checkpoint that loads, whole metrics lines and no temp file."""
+    env, mark = marked_env()
+    runs = {"one process": [], "-g 2": ["-n", "1", "-g", "2"]}
+    with _tmpfs(tmp_path / "fs0", "4m") as fs0, _tmpfs(tmp_path / "fs1", "4m") as fs1, reaped(mark):
+        folders = dict(zip(runs, (fs0, fs1)))
+        procs = {name: start(_train(folders[name] / "out", *extra, "--epochs", "50", "--checkpoint-every", "2",
+                                    "--timeout", "120", samples=2000), env, tmp_path, tmp_path / f"{n}.log")
+                 for n, (name, extra) in enumerate(runs.items())}
+        for name, proc in procs.items():
+            wait_for(f"{name}: the first epoch's checkpoint and metrics",
+                     lambda out=folders[name] / "out": (_progress(out) or (0, 0))[0] >= 1, HANG, 0.01, running=proc)
+            _fill(folders[name])
+        for n, (name, proc) in enumerate(procs.items()):
+            rc, log = finish(proc, tmp_path / f"{n}.log", HANG)
+            out = folders[name] / "out"
+            assert rc == 1, f"{name}: {log}"
+            errors = _error_lines(log)
+            assert len(errors) == 1 and "Traceback" not in log, f"{name}: {log}"
+            assert re.search(NO_SPACE, errors[0]), f"{name}: {errors}"
+            assert checkpoint.load(out / "checkpoint.pt")["progress"]["epoch"] >= 1
+            assert metrics(out)[0]["epoch"] == 1  # and every line parses
+            assert _temp_files(out) == [], name
+            assert not (out / outdir.LOCK).exists(), name
