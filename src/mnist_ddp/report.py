@@ -1,4 +1,4 @@
-"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots.
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard.
 
 Only rank 0 reports. The other ranks get a `Reporter` with `enabled=False`, whose
 methods do nothing, so the training loop needs no `if rank == 0` branches.
@@ -13,15 +13,33 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
+from .tb import TensorBoard
+
 T = TypeVar("T")
 
 
 class Reporter:
     """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch."""
 
-    def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True) -> None:
+    def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
+                 tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.metrics_path = out / "metrics.jsonl"
+        self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start step is known
+
+    def begin(self, step: int) -> None:
+        """Training starts, or resumes, after optimizer step `step` of the run."""
+        if self.enabled and self.tensorboard:
+            self.tb = TensorBoard(self.out / "tb", step)
+
+    def step(self, step: int, values: dict[str, float]) -> None:
+        """Scalars of one optimizer step (the train loss and the lr) for TensorBoard."""
+        if self.tb is not None:
+            self.tb.scalars(step, values)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -44,8 +62,9 @@ class Reporter:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
 
-    def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
-        """Record one finished epoch: console line, metrics.jsonl, and the plots."""
+    def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
+        """Record one finished epoch (ending at optimizer step `step`): console line, metrics.jsonl, plots,
+        TensorBoard."""
         if not self.enabled:
             return
         with open(self.metrics_path, "a") as f:
@@ -55,6 +74,9 @@ class Reporter:
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
         if self.plots:
             self._plot(confusion, classes)
+        if self.tb is not None:
+            plt = _pyplot()
+            self.tb.epoch(step, metrics, _confusion_figure(plt, confusion, classes) if plt else None)
 
     def history(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -62,12 +84,8 @@ class Reporter:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
     def _plot(self, confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:  # the `plot` extra is optional
+        plt = _pyplot()
+        if plt is None:
             return
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
@@ -82,15 +100,33 @@ class Reporter:
         fig.savefig(self.out / "curves.png", dpi=100)
         plt.close(fig)
 
-        fig, ax = plt.subplots(figsize=(7, 6))
-        ax.imshow(confusion.numpy(), cmap="Blues")
-        ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
-               title="confusion matrix (test set)")
-        ax.set_xticklabels(classes, rotation=45, ha="right")
-        ax.set_yticklabels(classes)
-        for (i, j), n in zip(((i, j) for i in range(10) for j in range(10)), confusion.flatten().tolist()):
-            ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
-                    color="white" if n > confusion.max().item() / 2 else "black")
-        fig.tight_layout()
+        fig = _confusion_figure(plt, confusion, classes)
         fig.savefig(self.out / "confusion.png", dpi=100)
         plt.close(fig)
+
+
+def _pyplot() -> Any | None:
+    """matplotlib's pyplot, drawing off-screen; None without matplotlib (the `plot` extra is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _confusion_figure(plt: Any, confusion: torch.Tensor, classes: tuple[str, ...]) -> Any:
+    """The confusion matrix with its counts: confusion.png, and TensorBoard's image."""
+    fig, ax = plt.subplots(figsize=(7, 6))
+    ax.imshow(confusion.numpy(), cmap="Blues")
+    ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
+           title="confusion matrix (test set)")
+    ax.set_xticklabels(classes, rotation=45, ha="right")
+    ax.set_yticklabels(classes)
+    for (i, j), n in zip(((i, j) for i in range(10) for j in range(10)), confusion.flatten().tolist()):
+        ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
+                color="white" if n > confusion.max().item() / 2 else "black")
+    fig.tight_layout()
+    return fig
