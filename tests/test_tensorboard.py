@@ -13,7 +13,7 @@ from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, cli
 
 pytest.importorskip("tensorboard")  # the `dev` extra installs it
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 STEPS = 8  # optimizer steps per epoch of tiny()'s 800 images at batch 100, one process
 PER_EPOCH = ("train_loss", "test_loss", "test_accuracy", "lr", "images_per_second")

@@ -72,21 +72,22 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
-        if self.plots:
-            self._plot(confusion, classes)
+        plt = _pyplot() if self.plots or self.tb is not None else None
+        figure = _confusion_figure(plt, confusion, classes) if plt else None  # drawn once, for both
+        if self.plots and figure is not None:
+            self._plot(plt, figure)
         if self.tb is not None:
-            plt = _pyplot()
-            self.tb.epoch(step, metrics, _confusion_figure(plt, confusion, classes) if plt else None)
+            self.tb.epoch(step, metrics, figure)
+        if figure is not None:
+            plt.close(figure)
 
     def history(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
-    def _plot(self, confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
-        plt = _pyplot()
-        if plt is None:
-            return
+    def _plot(self, plt: Any, confusion_figure: Any) -> None:
+        """curves.png and confusion.png."""
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -100,9 +101,7 @@ class Reporter:
         fig.savefig(self.out / "curves.png", dpi=100)
         plt.close(fig)
 
-        fig = _confusion_figure(plt, confusion, classes)
-        fig.savefig(self.out / "confusion.png", dpi=100)
-        plt.close(fig)
+        confusion_figure.savefig(self.out / "confusion.png", dpi=100)
 
 
 def _pyplot() -> Any | None:

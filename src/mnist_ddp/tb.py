@@ -42,7 +42,7 @@ class TensorBoard:
     def epoch(self, step: int, metrics: dict[str, Any], confusion_figure: Any | None) -> None:
         """The epoch's metrics.jsonl values, and the confusion matrix as an image (when matplotlib drew one)."""
         if confusion_figure is not None:
-            self.writer.add_figure("epoch/confusion", confusion_figure, step)  # closes the figure
+            self.writer.add_figure("epoch/confusion", confusion_figure, step, close=False)
         self.scalars(step, {f"epoch/{key}": metrics[key] for key in EPOCH_SCALARS})
 
     def close(self) -> None:
