@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics
+from conftest import metrics, progress
 from mnist_ddp import checkpoint, outdir
 from mnist_ddp.errors import UserError, WriteFailed
 from mnist_ddp.report import Reporter
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
-from test_faults import HANG, _progress, _temp_files, _train
+from test_faults import HANG, _temp_files, _train
 
 pytestmark = needs_proc
 
@@ -62,7 +62,7 @@ def test_second_run_into_a_busy_out_is_refused_and_the_first_finishes(tmp_path: 
     args = ["--resume", "--epochs", "2", "--checkpoint-every", "2"]
     with reaped(mark):
         first = start(_train(out, "-n", "1", "-g", "2", *args, samples=2000), env, tmp_path, tmp_path / "first.log")
-        wait_for("the first run's checkpoint", lambda: _progress(out), HANG, running=first)
+        wait_for("the first run's checkpoint", lambda: progress(out), HANG, running=first)
         os.killpg(first.pid, signal.SIGSTOP)  # frozen, it still holds the lock: the kernel keeps it
         try:
             before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -95,7 +95,7 @@ def test_sigkilled_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     args = ["--resume", "--epochs", "2", "--checkpoint-every", "2"]
     with reaped(mark):
         victim = start(_train(out, *args, samples=2000), env, tmp_path, tmp_path / "victim.log")
-        wait_for("a checkpoint", lambda: _progress(out), HANG, running=victim)
+        wait_for("a checkpoint", lambda: progress(out), HANG, running=victim)
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         assert (out / outdir.LOCK).exists()
@@ -175,7 +175,7 @@ def test_disk_full_mid_run_ends_it_with_one_line_and_exit_1(tmp_path: Path) -> N
                  for n, (name, extra) in enumerate(runs.items())}
         for name, proc in procs.items():
             wait_for(f"{name}: the first epoch's checkpoint and metrics",
-                     lambda out=folders[name] / "out": (_progress(out) or (0, 0))[0] >= 1, HANG, 0.01, running=proc)
+                     lambda out=folders[name] / "out": (progress(out) or {"epoch": 0})["epoch"] >= 1, HANG, 0.01, running=proc)
             _fill(folders[name])
         for n, (name, proc) in enumerate(procs.items()):
             rc, log = finish(proc, tmp_path / f"{n}.log", HANG)

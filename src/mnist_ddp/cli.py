@@ -118,6 +118,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="also checkpoint every STEPS optimizer steps within an epoch (0: epoch ends only)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
+    g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
+                   help="TensorBoard: the train loss (mean over all ranks) and lr every STEPS optimizer steps")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -185,7 +189,7 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn,
         deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every, progress=a.progress,
-        plots=a.plots, **_given(out=a.out))
+        plots=a.plots, tensorboard=a.tensorboard, log_every=a.log_every, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:

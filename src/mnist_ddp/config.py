@@ -128,6 +128,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between mid-epoch checkpoints; 0 = at epoch ends only
     progress: bool = True
     plots: bool = True
+    tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
+    log_every: int = 20  # optimizer steps between TensorBoard's train-loss points
 
     def __post_init__(self) -> None:
         _check(self.nodes >= 1, f"-n/--nodes must be at least 1, not {self.nodes}.")
@@ -139,6 +141,7 @@ class TrainConfig:
                f"--master-port {self.master_port} is not a port number (0-65535).")
         _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
+        _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.nodes == 1 or self.master_addr is not None,
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")

@@ -24,7 +24,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import compute, distributed, identity, outdir, rendezvous, train
+from . import compute, distributed, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
 from .distributed import PeerFailure
 from .errors import UserError
@@ -97,6 +97,8 @@ def preflight(cfg: TrainConfig) -> None:
             raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
+    if cfg.tensorboard:  # under torchrun or srun every rank checks: none waits for a rank 0 that refused
+        tb.check_installed()
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:

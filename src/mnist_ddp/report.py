@@ -1,4 +1,4 @@
-"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots.
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard.
 
 Only rank 0 reports. The other ranks get a `Reporter` with `enabled=False`, whose
 methods do nothing, so the training loop needs no `if rank == 0` branches.
@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from . import atomic
+from .tb import TensorBoard
 
 T = TypeVar("T")
 
@@ -21,9 +22,25 @@ T = TypeVar("T")
 class Reporter:
     """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch."""
 
-    def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True) -> None:
+    def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
+                 tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.metrics_path = out / "metrics.jsonl"
+        self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start step is known
+
+    def begin(self, step: int) -> None:
+        """Training starts, or resumes, after optimizer step `step` of the run."""
+        if self.enabled and self.tensorboard:
+            self.tb = TensorBoard(self.out / "tb", step)
+
+    def step(self, step: int, values: dict[str, float]) -> None:
+        """Scalars of one optimizer step (the train loss and the lr) for TensorBoard."""
+        if self.tb is not None:
+            self.tb.scalars(step, values)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -43,8 +60,9 @@ class Reporter:
         self._write_metrics([line for line in self.metrics_path.read_text().splitlines()
                              if line.strip() and json.loads(line)["epoch"] <= epoch])
 
-    def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
-        """Record one finished epoch: console line, metrics.jsonl, and the plots."""
+    def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
+        """Record one finished epoch (ending at optimizer step `step`): console line, metrics.jsonl, plots,
+        TensorBoard."""
         if not self.enabled:
             return
         before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
@@ -52,8 +70,14 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
-        if self.plots:
-            self._plot(confusion, classes)
+        plt = _pyplot() if self.plots or self.tb is not None else None
+        figure = _confusion_figure(plt, confusion, classes) if plt else None  # drawn once, for both
+        if self.plots and figure is not None:
+            self._plot(plt, figure)
+        if self.tb is not None:
+            self.tb.epoch(step, metrics, figure)
+        if figure is not None:
+            plt.close(figure)
 
     def _write_metrics(self, lines: list[str]) -> None:
         """Rewrite metrics.jsonl whole (it is small), rather than append: a full disk or a kill mid-write
@@ -65,14 +89,8 @@ class Reporter:
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
-    def _plot(self, confusion: torch.Tensor, classes: tuple[str, ...]) -> None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:  # the `plot` extra is optional
-            return
+    def _plot(self, plt: Any, confusion_figure: Any) -> None:
+        """curves.png and confusion.png."""
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -86,18 +104,34 @@ class Reporter:
         _save_figure(fig, self.out / "curves.png")
         plt.close(fig)
 
-        fig, ax = plt.subplots(figsize=(7, 6))
-        ax.imshow(confusion.numpy(), cmap="Blues")
-        ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
-               title="confusion matrix (test set)")
-        ax.set_xticklabels(classes, rotation=45, ha="right")
-        ax.set_yticklabels(classes)
-        for (i, j), n in zip(((i, j) for i in range(10) for j in range(10)), confusion.flatten().tolist()):
-            ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
-                    color="white" if n > confusion.max().item() / 2 else "black")
-        fig.tight_layout()
-        _save_figure(fig, self.out / "confusion.png")
-        plt.close(fig)
+        _save_figure(confusion_figure, self.out / "confusion.png")
+
+
+def _pyplot() -> Any | None:
+    """matplotlib's pyplot, drawing off-screen; None without matplotlib (the `plot` extra is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _confusion_figure(plt: Any, confusion: torch.Tensor, classes: tuple[str, ...]) -> Any:
+    """The confusion matrix with its counts: confusion.png, and TensorBoard's image."""
+    fig, ax = plt.subplots(figsize=(7, 6))
+    ax.imshow(confusion.numpy(), cmap="Blues")
+    ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
+           title="confusion matrix (test set)")
+    ax.set_xticklabels(classes, rotation=45, ha="right")
+    ax.set_yticklabels(classes)
+    for (i, j), n in zip(((i, j) for i in range(10) for j in range(10)), confusion.flatten().tolist()):
+        ax.text(j, i, str(n), ha="center", va="center", fontsize=7,
+                color="white" if n > confusion.max().item() / 2 else "black")
+    fig.tight_layout()
+    return fig
 
 
 def _save_figure(fig: Any, path: Path) -> None:

@@ -138,6 +138,7 @@ class Trainer:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
         if self.cfg.resume:
             self._resume()
+        self.report.begin(self.global_step)
         net = wrap(self.model, self.cfg, self.d)  # what trains; `self.model` is what is scored and saved
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
@@ -176,6 +177,8 @@ class Trainer:
             loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
             seen_here += len(y)
             progress.step += 1
+            if cfg.tensorboard and self.global_step % cfg.log_every == 0:
+                self._log_step(loss)
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < steps:
                 self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
@@ -186,6 +189,17 @@ class Trainer:
         average_buffers(self.model, d)
         sync(d.device)
         return time.perf_counter() - start
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps since the run began: TensorBoard's x-axis."""
+        return self.progress.epoch * len(self.train_batches) + self.progress.step
+
+    def _log_step(self, loss: torch.Tensor) -> None:
+        """This step's loss averaged over the ranks (one small all-reduce: the global batch's loss, not
+        rank 0's shard's) and the lr, to TensorBoard."""
+        mean = float(self.d.all_sum(loss.detach().float().clone())) / self.d.world_size
+        self.report.step(self.global_step, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
         """Add every rank's loss and image count since the last fold into `progress`."""
@@ -203,7 +217,7 @@ class Trainer:
             "test_correct": result.correct, "test_count": result.count,
             "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": self.opt.param_groups[0]["lr"],
             "world_size": self.d.world_size, "batch_size": r.batch_size, "dataset": self.data.name,
-        }, result.confusion, self.data.classes)
+        }, result.confusion, self.data.classes, self.global_step)
 
     def _save(self, path: Path) -> None:
         """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks)."""
@@ -245,7 +259,7 @@ class Trainer:
 
 def run(cfg: TrainConfig, d: Dist) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots)
+    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     compute.configure_backends(d.device, cfg.deterministic)
     data = datasets.load(cfg.data)
@@ -260,6 +274,7 @@ def run(cfg: TrainConfig, d: Dist) -> float:
                f"{r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {trainer.amp}, "
                f"channels_last {trainer.channels_last}")
     result = trainer.run()
+    report.close()
     report.say(f"final: test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on "
                f"{data.name} after {r.epochs} epochs, world size {d.world_size}; outputs in {cfg.out}")
     return result.accuracy

@@ -1,0 +1,111 @@
+"""--tensorboard: real runs write event files that TensorBoard's own reader finds to hold what
+metrics.jsonl holds, the train loss at every --log-every step, each step once after a resume, and
+only rank 0's writer; without the package the flag is refused before any process starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, metrics, run_cli, tiny
+from datafiles import ONE_THREAD
+from mnist_ddp import checkpoint, cli
+
+pytest.importorskip("tensorboard")  # the `dev` extra installs it
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+STEPS = 8  # optimizer steps per epoch of tiny()'s 800 images at batch 100, one process
+PER_EPOCH = ("train_loss", "test_loss", "test_accuracy", "lr", "images_per_second")
+
+
+def _train(out: Path, *extra: str) -> list[str]:
+    return ["train", *tiny(epochs=2), "--tensorboard", "--out", str(out), *extra]
+
+
+def _ok(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, r.stderr
+
+
+def _events(out: Path) -> EventAccumulator:
+    """Everything TensorBoard would show for `out` (all points kept, purges applied, as its UI does)."""
+    return EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "images": 0}).Reload()
+
+
+def _points(acc: EventAccumulator, tag: str) -> dict[int, float]:
+    """step → value; a step drawn twice fails here rather than silently keeping one."""
+    steps = [e.step for e in acc.Scalars(tag)]
+    assert steps == sorted(set(steps)), f"{tag}: steps {steps}"
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def _assert_epochs_match_metrics(out: Path, steps_per_epoch: int) -> None:
+    """One point per epoch at its last optimizer step, equal to metrics.jsonl (TensorBoard keeps float32)."""
+    acc, rows = _events(out), metrics(out)
+    ends = [row["epoch"] * steps_per_epoch for row in rows]
+    for key in PER_EPOCH:
+        points = _points(acc, f"epoch/{key}")
+        assert list(points) == ends, key
+        assert list(points.values()) == pytest.approx([row[key] for row in rows], rel=1e-6), key
+    images = acc.Images("epoch/confusion")
+    assert [i.step for i in images] == ends
+    assert all(i.encoded_image_string.startswith(b"\x89PNG") and i.width > 100 for i in images)
+
+
+def test_one_process_logs_every_n_steps_and_each_epoch(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _ok(run_cli(*_train(out, "--log-every", "3"), cwd=tmp_path, env=ONE_THREAD))
+    acc = _events(out)
+    assert list(_points(acc, "train/loss")) == [3, 6, 9, 12, 15]  # the run's optimizer steps, across epochs
+    assert list(_points(acc, "train/lr")) == [3, 6, 9, 12, 15]
+    _assert_epochs_match_metrics(out, STEPS)
+
+
+def test_two_ranks_log_all_ranks_loss_through_rank_0_alone(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _ok(run_cli(*_train(out, "-g", "2", "--log-every", "1"), cwd=tmp_path, env=ONE_THREAD))
+    assert len(list((out / "tb").iterdir())) == 1  # one writer: rank 0's
+    steps = STEPS // 2  # 400 images per rank
+    _assert_epochs_match_metrics(out, steps)
+    # Every step's loss is the mean over both ranks' equal batches, so an epoch's points average to
+    # metrics.jsonl's train loss (all ranks' images); rank 0's own losses would not.
+    loss = list(_points(_events(out), "train/loss").values())
+    assert len(loss) == 2 * steps
+    epoch_means = [sum(loss[i:i + steps]) / steps for i in (0, steps)]
+    assert epoch_means == pytest.approx([row["train_loss"] for row in metrics(out)], rel=1e-5)
+
+
+def test_a_resumed_run_draws_each_step_once(tmp_path: Path) -> None:
+    """A run killed in epoch 2 leaves events past its last checkpoint (they are flushed as written); the
+    resumed run redoes epoch 2, and TensorBoard must show the redone steps once, with their new values."""
+    out = tmp_path / "run"
+    args = _train(out, "--log-every", "3", "--scheduler", "none")  # constant lr: the schedule can be rewound
+    _ok(run_cli(*args, cwd=tmp_path, env=ONE_THREAD))
+    before = _points(_events(out), "train/loss")
+    # Rewind the checkpoint to the end of epoch 1: exactly what a kill during epoch 2 leaves on disk.
+    ckpt = checkpoint.load(out / "checkpoint.pt")
+    ckpt["progress"].update(epoch=1, step=0, loss_sum=0.0, seen=0)
+    checkpoint.save(out / "checkpoint.pt", ckpt)
+
+    _ok(run_cli(*args, "--resume", cwd=tmp_path, env=ONE_THREAD))
+    after = _points(_events(out), "train/loss")
+    assert list(after) == [3, 6, 9, 12, 15]
+    assert [after[s] for s in (3, 6)] == [before[s] for s in (3, 6)]  # epoch 1: kept, not redone
+    assert all(after[s] != before[s] for s in (9, 12, 15))  # epoch 2 trained twice: the second one's values
+    _assert_epochs_match_metrics(out, STEPS)
+
+
+def test_without_the_package_it_is_one_line_before_any_process_starts(tmp_path: Path) -> None:
+    # A None entry in sys.modules is Python's own way to make a module unimportable (find_spec says None).
+    hide = "import sys; sys.modules['tensorboard'] = None; from mnist_ddp.cli import console; console()"
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", hide, *_train(out, "-g", "2")], cwd=tmp_path, env=cli_env(ONE_THREAD),
+                       text=True, capture_output=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "pip install tensorboard" in r.stderr, r.stderr
+    assert r.stdout == "" and not out.exists()  # no worker ran, --out untouched
+
+
+def test_log_every_must_be_a_positive_number_of_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--tensorboard", "--log-every", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "mnist-ddp: error: --log-every must be at least 1 step, not 0."
