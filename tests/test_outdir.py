@@ -175,7 +175,8 @@ def test_disk_full_mid_run_ends_it_with_one_line_and_exit_1(tmp_path: Path) -> N
                  for n, (name, extra) in enumerate(runs.items())}
         for name, proc in procs.items():
             wait_for(f"{name}: the first epoch's checkpoint and metrics",
-                     lambda out=folders[name] / "out": (progress(out) or {"epoch": 0})["epoch"] >= 1, HANG, 0.01, running=proc)
+                     lambda out=folders[name] / "out": (progress(out) or {"epoch": 0})["epoch"] >= 1, HANG, 0.01,
+                     running=proc)
             _fill(folders[name])
         for n, (name, proc) in enumerate(procs.items()):
             rc, log = finish(proc, tmp_path / f"{n}.log", HANG)
