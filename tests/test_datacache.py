@@ -29,6 +29,13 @@ def _data_line(stdout: str) -> str:
     return said[0]
 
 
+def _assert_same(a: datasets.Dataset, b: datasets.Dataset) -> None:
+    for split in ("train", "test"):
+        for part in ("images", "labels"):
+            x, y = getattr(getattr(a, split), part), getattr(getattr(b, split), part)
+            assert x.dtype == y.dtype and torch.equal(x, y), (split, part)
+
+
 def _in_read_only_folder(folder: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """`python -m mnist_ddp ARGS` with `folder`, its working directory, mounted read-only (root ignores modes)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -74,13 +81,13 @@ def test_the_cache_holds_the_generators_bytes_and_a_damaged_file_is_made_again(
         files = {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"}
         assert len(files) == 4
 
-        assert datasets.load(req).where.startswith(f"{folder} (cached, read in")
+        cached = datasets.load(req)
+        assert cached.where.startswith(f"{folder} (cached, read in")
+        _assert_same(cached, first)
         train_images = folder / f"train-50-seed{SEEDS['train']}-images"
         train_images.write_bytes(files[train_images][:1000])  # truncated
         (folder / f"test-20-seed{SEEDS['test']}-labels").write_bytes(b"junk")
         again = datasets.load(req)
     assert again.where.startswith(f"{folder} (made and cached in")
     assert {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"} == files
-    for split in ("train", "test"):
-        assert torch.equal(getattr(again, split).images, getattr(first, split).images)
-        assert torch.equal(getattr(again, split).labels, getattr(first, split).labels)
+    _assert_same(again, first)
