@@ -86,6 +86,7 @@ def test_the_cache_holds_the_generators_bytes_and_a_damaged_file_is_made_again(
         _assert_same(cached, first)
         train_images = folder / f"train-50-seed{SEEDS['train']}-images"
         train_images.write_bytes(files[train_images][:1000])  # truncated
+        (folder / f".{train_images.name}.part-1").write_bytes(b"left by a maker killed mid-write")
         (folder / f"test-20-seed{SEEDS['test']}-labels").write_bytes(b"junk")
         again = datasets.load(req)
     assert again.where.startswith(f"{folder} (made and cached in")

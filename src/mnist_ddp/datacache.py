@@ -87,6 +87,8 @@ def shared(folder: Path, names: tuple[str, ...], make: Callable[[], Tensors]) ->
         with file_lock(folder / ".lock"):
             if found := _read(folder, names):  # made by another local process while this one waited
                 return found, f"{folder} (made by another process, ready in {took()})"
+            for stale in folder.glob(".*.part-*"):  # left by a maker that was killed mid-write
+                stale.unlink(missing_ok=True)
             with all_cores():
                 made = make()
             for name in names:
