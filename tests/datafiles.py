@@ -1,10 +1,11 @@
-"""Tiny IDX datasets for the data tests: four files written by our own `idx.write`.
+"""Tiny IDX datasets for the data tests: four files written by `write_idx`.
 
 The tensors are random but seeded, so each test knows exactly what a loader must
 return; `md5s` gives the `.gz` checksums a test `Source` needs to accept them.
 """
 
 import contextlib
+import gzip
 import hashlib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -17,6 +18,12 @@ from mnist_ddp import datasets, idx
 # Children of the tests run one thread each: on a small shared box, two or more OpenMP threads per
 # process spin against each other and run many times slower (and the timings are never asserted).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def write_idx(path: Path, data: torch.Tensor) -> None:
+    """Write `data` as an IDX file, gzip-compressed when the name ends in .gz (the package only reads them)."""
+    raw = idx.encode(data)
+    path.write_bytes(gzip.compress(raw, mtime=0) if path.suffix == ".gz" else raw)  # mtime=0: same bytes each time
 
 
 @contextlib.contextmanager
@@ -46,7 +53,7 @@ def write_files(folder: Path, splits: dict[str, tuple[torch.Tensor, torch.Tensor
     for (split, part), base in datasets.SPLIT_FILES.items():
         if split in only:
             name = base + (".gz" if gz else "")
-            idx.write(folder / name, splits[split][0 if part == "images" else 1])
+            write_idx(folder / name, splits[split][0 if part == "images" else 1])
             written[name] = folder / name
     return written
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from datafiles import ONE_THREAD, make_splits, write_files
+from datafiles import ONE_THREAD, make_splits, write_files, write_idx
 from mnist_ddp import datasets, idx
 from mnist_ddp.config import DataConfig
 from mnist_ddp.errors import UserError
@@ -21,7 +21,7 @@ from mnist_ddp.errors import UserError
 def test_round_trip(tmp_path: Path, name: str, shape: tuple[int, ...]) -> None:
     data = torch.randint(0, 256, shape, dtype=torch.uint8)
     path = tmp_path / name
-    idx.write(path, data)
+    write_idx(path, data)
     magic = idx.IMAGES_MAGIC if len(shape) == 3 else idx.LABELS_MAGIC
     back = idx.read(path, magic)
     assert back.dtype == torch.uint8 and back.shape == data.shape
@@ -31,7 +31,7 @@ def test_round_trip(tmp_path: Path, name: str, shape: tuple[int, ...]) -> None:
 def test_gzip_is_recognised_by_content_not_name(tmp_path: Path) -> None:
     data = torch.randint(0, 10, (20,), dtype=torch.uint8)
     gz, plain = tmp_path / "labels.gz", tmp_path / "labels"
-    idx.write(gz, data)
+    write_idx(gz, data)
     gz.rename(plain)  # gzip bytes without the suffix
     assert torch.equal(idx.read(plain, idx.LABELS_MAGIC), data)
     plain.write_bytes(idx.encode(data))
@@ -101,7 +101,7 @@ def test_good_files_load(mnist_dir: Path) -> None:
 
 
 def test_label_count_must_match_image_count(mnist_dir: Path) -> None:
-    idx.write(mnist_dir / "t10k-labels-idx1-ubyte.gz", torch.zeros(23, dtype=torch.uint8))  # 24 images
+    write_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz", torch.zeros(23, dtype=torch.uint8))  # 24 images
     with pytest.raises(UserError, match=re.escape("t10k-labels-idx1-ubyte.gz: 23 labels for 24 images")):
         _load(mnist_dir)
 
@@ -109,13 +109,13 @@ def test_label_count_must_match_image_count(mnist_dir: Path) -> None:
 def test_labels_must_be_digits(mnist_dir: Path) -> None:
     labels = torch.zeros(48, dtype=torch.uint8)
     labels[7] = 10
-    idx.write(mnist_dir / "train-labels-idx1-ubyte.gz", labels)
+    write_idx(mnist_dir / "train-labels-idx1-ubyte.gz", labels)
     with pytest.raises(UserError, match=re.escape("train-labels-idx1-ubyte.gz: label 10 is outside 0-9")):
         _load(mnist_dir)
 
 
 def test_images_must_be_28x28(mnist_dir: Path) -> None:
-    idx.write(mnist_dir / "t10k-images-idx3-ubyte.gz", torch.zeros(24, 32, 32, dtype=torch.uint8))
+    write_idx(mnist_dir / "t10k-images-idx3-ubyte.gz", torch.zeros(24, 32, 32, dtype=torch.uint8))
     with pytest.raises(UserError, match=r"t10k-images-idx3-ubyte.gz: images are \(32, 32\), expected 28x28"):
         _load(mnist_dir)
 
@@ -140,7 +140,7 @@ def test_cli_names_the_corrupt_file_exit_2_no_traceback(mnist_dir: Path, tmp_pat
 
 
 def test_empty_split_is_refused(mnist_dir: Path) -> None:
-    idx.write(mnist_dir / "t10k-images-idx3-ubyte.gz", torch.zeros(0, 28, 28, dtype=torch.uint8))
-    idx.write(mnist_dir / "t10k-labels-idx1-ubyte.gz", torch.zeros(0, dtype=torch.uint8))
+    write_idx(mnist_dir / "t10k-images-idx3-ubyte.gz", torch.zeros(0, 28, 28, dtype=torch.uint8))
+    write_idx(mnist_dir / "t10k-labels-idx1-ubyte.gz", torch.zeros(0, dtype=torch.uint8))
     with pytest.raises(UserError, match=re.escape("t10k-images-idx3-ubyte.gz: holds no images")):
         _load(mnist_dir)

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from conftest import MNIST_T10K, TINY, cli_env, metrics, run_cli
-from datafiles import ONE_THREAD, one_thread
+from datafiles import ONE_THREAD, one_thread, write_idx
 from mnist_ddp import checkpoint, cli, idx, images, synthetic
 from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.model import ConvNet
@@ -95,7 +95,7 @@ def test_predict_png_and_idx(run: Path, digits: tuple[torch.Tensor, torch.Tensor
     assert all(line.startswith(f"{p}: ") for line, p in zip(out.splitlines(), pngs))
 
     images_idx = tmp_path / "some-images-idx3-ubyte.gz"
-    idx.write(images_idx, images)
+    write_idx(images_idx, images)
     code, out, _ = _main(capsys, "predict", str(ckpt), str(images_idx), "--top", "3")
     assert code == 0
     lines = out.splitlines()
@@ -147,9 +147,9 @@ def test_predict_bad_input_is_one_line_exit_2(run: Path, tmp_path: Path, case: s
                                               capsys: pytest.CaptureFixture[str]) -> None:
     ckpt, target = run / "checkpoint.pt", tmp_path / "input"
     if case == "labels file":
-        idx.write(target, torch.zeros(3, dtype=torch.uint8))
+        write_idx(target, torch.zeros(3, dtype=torch.uint8))
     elif case == "32x32 images":
-        idx.write(target, torch.zeros(2, 32, 32, dtype=torch.uint8))
+        write_idx(target, torch.zeros(2, 32, 32, dtype=torch.uint8))
     elif case == "folder without images":
         target.mkdir()
         (target / "notes.txt").write_text("no digits here")
@@ -242,7 +242,7 @@ def test_real_mnist_digits_as_png_and_jpeg_predict_as_from_idx(run: Path, tmp_pa
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     real = idx.read(MNIST_T10K / "t10k-images-idx3-ubyte.gz", idx.IMAGES_MAGIC)[:8]
     ckpt = run / "checkpoint.pt"
-    idx.write(tmp_path / "real-idx3-ubyte", real)
+    write_idx(tmp_path / "real-idx3-ubyte", real)
     for i, image in enumerate(real):
         _gray(image).save(tmp_path / f"{i}.png")
         _gray(image).convert("RGB").save(tmp_path / f"{i}.jpg", quality=95)

@@ -64,9 +64,3 @@ def encode(data: torch.Tensor) -> bytes:
     header = struct.pack(f">I{data.dim()}I", magic, *data.shape)
     data = data.to(torch.uint8).contiguous()
     return header + ctypes.string_at(data.data_ptr(), data.numel())  # no numpy needed
-
-
-def write(path: Path, data: torch.Tensor) -> None:
-    """Write `data` as an IDX file, gzip-compressed when the name ends in .gz."""
-    raw = encode(data)
-    path.write_bytes(gzip.compress(raw, mtime=0) if path.suffix == ".gz" else raw)  # mtime=0: same bytes each time

@@ -13,6 +13,7 @@ import math
 import torch
 
 Polyline = list[tuple[float, float]]
+VERSION = 1  # raise it with any change to the bytes `generate` makes: it names the cached copies (datasets.py)
 
 
 def _arc(cx: float, cy: float, rx: float, ry: float, start: float, end: float, n: int = 8) -> Polyline:

@@ -1,0 +1,95 @@
+"""The synthetic set is made once per node and shared through a cache of plain IDX files.
+
+The local processes must all train on the bytes the generator makes, whether they made them, read
+them from the cache, or (cache folder read-only) each made their own; a damaged cache file is made
+again, never trusted.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, cli_env, run_cli
+from datafiles import ONE_THREAD, one_thread
+from mnist_ddp import checkpoint, datasets, synthetic
+from mnist_ddp.config import DataConfig
+
+SEEDS = datasets.SYNTHETIC_SEEDS
+FILES = {f"{split}-{n}-seed{SEEDS[split]}-{part}" for split, n in (("train", 800), ("test", 200))
+         for part in ("images", "labels")}  # TINY's sizes
+
+
+def _data_line(stdout: str) -> str:
+    said = [line for line in stdout.splitlines() if line.startswith("data: ")]
+    assert len(said) == 1, stdout
+    return said[0]
+
+
+def _assert_same(a: datasets.Dataset, b: datasets.Dataset) -> None:
+    for split in ("train", "test"):
+        for part in ("images", "labels"):
+            x, y = getattr(getattr(a, split), part), getattr(getattr(b, split), part)
+            assert x.dtype == y.dtype and torch.equal(x, y), (split, part)
+
+
+def _in_read_only_folder(folder: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -m mnist_ddp ARGS` with `folder`, its working directory, mounted read-only (root ignores modes)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a read-only mount needs root and unshare (util-linux)")
+    folder.mkdir()
+    mounted = 'mount --bind -o ro "$0" "$0" && cd "$0" && exec "$@"'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", mounted, str(folder), sys.executable, "-m", "mnist_ddp", *args],
+                       cwd=folder, env=cli_env(env), text=True, capture_output=True, timeout=180)
+    if "mount:" in r.stderr or "unshare:" in r.stderr:
+        pytest.skip(f"cannot mount a folder read-only here: {r.stderr.strip()}")
+    return r
+
+
+def test_two_processes_share_one_cached_copy_and_train_as_without_it(tmp_path: Path) -> None:
+    args = ["train", *TINY, "-g", "2"]
+    cached = run_cli(*args, "--out", str(tmp_path / "cached"), cwd=tmp_path, env=ONE_THREAD)
+    assert cached.returncode == 0, cached.stderr
+    folder = tmp_path / "data" / "synthetic" / f"v{synthetic.VERSION}"
+    assert {p.name for p in folder.iterdir()} == FILES | {".lock"}  # one set, no temp files left behind
+    said = _data_line(cached.stdout)  # rank 0 either made it or waited for rank 1 to
+    assert f"{folder.relative_to(tmp_path)} (made and cached in" in said or "(made by another process" in said, said
+
+    # Each process makes its own when the cache cannot be written: the bytes the generator makes,
+    # so the same weights prove that both ranks of the cached run trained on exactly those bytes.
+    uncached = _in_read_only_folder(tmp_path / "read-only", [*args, "--out", str(tmp_path / "uncached")], ONE_THREAD)
+    assert uncached.returncode == 0, uncached.stderr
+    assert "by each process: data/synthetic/v1 cannot be written (Read-only file system)" in _data_line(uncached.stdout)
+    assert not list((tmp_path / "read-only").iterdir())
+    mine, theirs = (checkpoint.load(tmp_path / run / "checkpoint.pt")["model"] for run in ("cached", "uncached"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_the_cache_holds_the_generators_bytes_and_a_damaged_file_is_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    req = DataConfig("synthetic", data_dir=Path("given"), train_samples=50, test_samples=20)
+    folder = Path("given", "synthetic", f"v{synthetic.VERSION}")
+    with one_thread():
+        first = datasets.load(req)
+        assert first.where.startswith(f"{folder} (made and cached in")
+        images, labels = synthetic.generate(50, SEEDS["train"])
+        assert torch.equal(first.train.images, images) and torch.equal(first.train.labels, labels)
+        files = {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"}
+        assert len(files) == 4
+
+        cached = datasets.load(req)
+        assert cached.where.startswith(f"{folder} (cached, read in")
+        _assert_same(cached, first)
+        train_images = folder / f"train-50-seed{SEEDS['train']}-images"
+        train_images.write_bytes(files[train_images][:1000])  # truncated
+        (folder / f".{train_images.name}.tmp-1").write_bytes(b"left by a maker killed mid-write")
+        (folder / f"test-20-seed{SEEDS['test']}-labels").write_bytes(b"junk")
+        again = datasets.load(req)
+    assert again.where.startswith(f"{folder} (made and cached in")
+    assert {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"} == files
+    _assert_same(again, first)
