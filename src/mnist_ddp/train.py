@@ -121,12 +121,17 @@ def wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
     return torch.compile(model) if cfg.compile else model
 
 
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm's running statistics (not num_batches_tracked: equal on every rank anyway)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
 def average_buffers(model: nn.Module, d: Dist) -> None:
     """Replace every rank's BatchNorm running statistics by their mean over the ranks (one all-reduce).
 
     The mean of the ranks' estimates also uses every rank's data, not rank 0's alone.
     """
-    stats = [b for b in model.buffers() if b.is_floating_point()]  # not num_batches_tracked: equal anyway
+    stats = running_stats(model)
     if d.world_size == 1 or not stats:
         return
     flat = d.all_sum(torch.cat([b.reshape(-1) for b in stats])).div_(d.world_size)
@@ -222,25 +227,32 @@ class Trainer:
         return time.perf_counter() - start
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
-        """Add every rank's loss and image count since the last fold into `progress`."""
-        totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device)]))
+        """Add every rank's loss and image count since the last fold into `progress`; stop if the run diverged.
+
+        Every save and evaluation comes after a fold, so none of them sees a diverged run. The same all-reduce
+        counts the ranks' non-finite BatchNorm statistics, which no optimizer step guards (the forward pass
+        updates them), so that every rank reaches the same verdict."""
+        bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
+        totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
+                                             bad_stats]))
         self.progress.loss_sum += float(totals[0])
         self.progress.seen += int(totals[1])
-        self._stop_if_diverged()  # every save comes after a fold: none of them saves a diverged run
+        self._stop_if_diverged(finite=math.isfinite(self.progress.loss_sum) and not totals[2])
 
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
 
-    def _stop_if_diverged(self) -> None:
-        """Raise `Diverged`, on every rank at the same step, once the guard skipped a step or the loss is not
-        finite. Both are the same on every rank without a collective of their own: the scale follows the
-        gradients DDP all-reduced, and the loss sum is read after `_fold` all-reduced it."""
-        if self.scaler.get_scale() >= 1 and math.isfinite(self.progress.loss_sum):
+    def _stop_if_diverged(self, finite: bool = True) -> None:
+        """Raise `Diverged`, on every rank at the same step, once the guard skipped a step or the caller saw
+        something non-finite. The scale is the same on every rank without a collective of its own: it follows
+        the gradients DDP all-reduced (`finite` must be such an agreed verdict too: see `_fold`)."""
+        if finite and self.scaler.get_scale() >= 1:
             return
         lr, peak = self.opt.param_groups[0]["lr"], self.cfg.recipe.lr
         raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {self.progress.step} at lr "
-                       f"{lr:.4g}: the loss or the gradients are no longer finite. The checkpoints keep the last "
-                       f"finite weights; start again with a smaller --lr (e.g. {peak / 10:.4g}) in a new --out.")
+                       f"{lr:.4g}: the loss, the gradients or BatchNorm's statistics are no longer finite. The "
+                       f"checkpoints keep the last finite weights; start again with a smaller --lr (e.g. "
+                       f"{peak / 10:.4g}) in a new --out.")
 
     def _record(self, epoch: int, result: EvalResult, images_per_second: float, seconds: float) -> None:
         """One line of metrics.jsonl, the console line and the plots (rank 0)."""
