@@ -132,9 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     _data_args(e, "auto")
     e.add_argument("--device", default="auto", choices=DEVICES)
     e.add_argument("--batch-size", type=int, default=default(EvalConfig, "batch_size"))
-    pr = sub.add_parser("predict", help="classify images (PNG, JPEG, BMP, GIF; any size), folders of them, or IDX files")
+    pr = sub.add_parser("predict",
+                        help="classify images (PNG, JPEG, BMP, GIF; any size), folders of them, or IDX files")
     pr.add_argument("checkpoint")
-    pr.add_argument("files", nargs="+", metavar="FILE", help="an image, a folder of images, or an IDX file (…-images-idx3-ubyte[.gz])")
+    pr.add_argument("files", nargs="+", metavar="FILE",
+                    help="an image, a folder of images, or an IDX file (…-images-idx3-ubyte[.gz])")
     pr.add_argument("--device", default="auto", choices=DEVICES)
     pr.add_argument("--top", type=int, default=default(PredictConfig, "top"), help="show the K most likely classes")
     _bench_parser(sub)
