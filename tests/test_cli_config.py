@@ -40,6 +40,9 @@ BAD_TRAIN = [
     (["--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),
     (["--recipe", "fast"], "invalid choice: 'fast'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--target-accuracy", "0"], "--target-accuracy is a test accuracy above 0 and at most 1"),
+    (["--target-accuracy", "-0.5"], "--target-accuracy is a test accuracy above 0 and at most 1"),
+    (["--target-accuracy", "99"], "(0.99: 99%), not 99.0."),
 ]
 
 

@@ -116,6 +116,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from <out>/checkpoint.pt if there is one (start fresh if not)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                    help="also checkpoint every STEPS optimizer steps within an epoch (0: epoch ends only)")
+    g.add_argument("--target-accuracy", type=float, metavar="ACC",
+                   help="stop after the first epoch whose test accuracy reaches ACC (0.99 for 99%%); not a "
+                   "setting --resume insists on: raise it or leave it out to train a finished run on")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
     g.add_argument("--tensorboard", action="store_true",
@@ -188,8 +191,9 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout,
         recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn,
-        deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every, progress=a.progress,
-        plots=a.plots, tensorboard=a.tensorboard, log_every=a.log_every, **_given(out=a.out))
+        deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
+        target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,
+        log_every=a.log_every, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -126,6 +126,7 @@ class TrainConfig:
     out: str = field(default_factory=lambda: timestamped("runs/"))
     resume: bool = False
     checkpoint_every: int = 0  # steps between mid-epoch checkpoints; 0 = at epoch ends only
+    target_accuracy: float | None = None  # stop after the first epoch whose test accuracy reaches it
     progress: bool = True
     plots: bool = True
     tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
@@ -143,6 +144,8 @@ class TrainConfig:
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
+        _check(self.target_accuracy is None or 0 < self.target_accuracy <= 1,
+               f"--target-accuracy is a test accuracy above 0 and at most 1 (0.99: 99%), not {self.target_accuracy}.")
         _check(self.nodes == 1 or self.master_addr is not None,
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")
         _check(self.nodes == 1 or bool(self.master_port),

@@ -11,6 +11,7 @@ KeyboardInterrupt (so `finally` blocks leave the process group and a checkpoint 
 written is never left half-done), and the parent takes its children down with it.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -144,6 +145,8 @@ def spawn(cfg: TrainConfig) -> int:
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
         errors = mp.get_context("spawn").SimpleQueue()
+        # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
                                       start_method="spawn")
         try:

@@ -42,6 +42,28 @@ RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "b
                      "scheduler", "normalize", "label_smoothing", "seed", "world_size")
 
 
+class Diverged(UserError):
+    """The loss or the gradients stopped being finite: not bad input, so exit code 1."""
+
+    exit_code = 1
+
+
+# How often the loop reads the scaler's verdict (`_stop_if_diverged`). Reading it waits for the device's
+# queued work: free on the CPU, a stall on a GPU, so there once per this many steps (and before every save).
+CHECK_EVERY_ON_ACCELERATORS = 50
+
+
+def guard(device: torch.device, amp: str) -> torch.amp.GradScaler:
+    """A GradScaler in every precision, as the guard against divergence: it checks the gradients on the
+    device and skips (also on the device, with fused optimizers) every step whose gradients are not finite,
+    so non-finite weights are never made. With fp16 it also scales the loss (skipped steps are normal while
+    it finds the scale); otherwise its scale stays 1 (multiplying by 1 changes no bit) until a step is skipped.
+    Either way a scale below 1 means divergence: in fp16, gradients that overflow even unscaled."""
+    if amp == "fp16":
+        return torch.amp.GradScaler(device.type)
+    return torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)  # halves on a skip, never grows
+
+
 @dataclass
 class Progress:
     """Where the run stands; saved in every checkpoint."""
@@ -99,12 +121,17 @@ def wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
     return torch.compile(model) if cfg.compile else model
 
 
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm's running statistics (not num_batches_tracked: equal on every rank anyway)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
 def average_buffers(model: nn.Module, d: Dist) -> None:
     """Replace every rank's BatchNorm running statistics by their mean over the ranks (one all-reduce).
 
     The mean of the ranks' estimates also uses every rank's data, not rank 0's alone.
     """
-    stats = [b for b in model.buffers() if b.is_floating_point()]  # not num_batches_tracked: equal anyway
+    stats = running_stats(model)
     if d.world_size == 1 or not stats:
         return
     flat = d.all_sum(torch.cat([b.reshape(-1) for b in stats])).div_(d.world_size)
@@ -130,7 +157,9 @@ class Trainer:
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.opt, self.sched = build_optimizer(r, self.model, len(self.train_batches) * r.epochs)
-        self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.amp == "fp16")  # a no-op unless fp16
+        self.scaler = guard(d.device, self.amp)
+        self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
+        self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
 
@@ -139,6 +168,9 @@ class Trainer:
         if self.cfg.resume:
             self._resume()
         self.report.begin(self.global_step)
+        if self._reached(self.progress.best_accuracy):  # an epoch before the resume reached the target
+            self.target_outcome = "already"
+            return evaluate(self.model, self.test_batches, self.d, self.amp)
         net = wrap(self.model, self.cfg, self.d)  # what trains; `self.model` is what is scored and saved
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
@@ -152,6 +184,11 @@ class Trainer:
             self._save(self.ckpt_path)
             if result.accuracy >= self.progress.best_accuracy:
                 self._save(self.ckpt_path.with_name("best.pt"))
+            if self._reached(result.accuracy):  # the same all-reduced number on every rank: all stop here
+                self.target_outcome = "reached"
+                return result
+        if self.cfg.target_accuracy is not None:
+            self.target_outcome = "missed"
         if result is None:  # resumed a finished run: nothing left to train, so just report
             result = evaluate(self.model, self.test_batches, self.d, self.amp)
         return result
@@ -179,6 +216,8 @@ class Trainer:
             progress.step += 1
             if cfg.tensorboard and self.global_step % cfg.log_every == 0:
                 self._log_step(loss)
+            if progress.step % self.check_every == 0:
+                self._stop_if_diverged()
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < steps:
                 self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
@@ -202,10 +241,32 @@ class Trainer:
         self.report.step(self.global_step, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
-        """Add every rank's loss and image count since the last fold into `progress`."""
-        totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device)]))
+        """Add every rank's loss and image count since the last fold into `progress`; stop if the run diverged.
+
+        Every save and evaluation comes after a fold, so none of them sees a diverged run. The same all-reduce
+        counts the ranks' non-finite BatchNorm statistics, which no optimizer step guards (the forward pass
+        updates them), so that every rank reaches the same verdict."""
+        bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
+        totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
+                                             bad_stats]))
         self.progress.loss_sum += float(totals[0])
         self.progress.seen += int(totals[1])
+        self._stop_if_diverged(finite=math.isfinite(self.progress.loss_sum) and not totals[2])
+
+    def _reached(self, accuracy: float) -> bool:
+        return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
+
+    def _stop_if_diverged(self, finite: bool = True) -> None:
+        """Raise `Diverged`, on every rank at the same step, once the guard skipped a step or the caller saw
+        something non-finite. The scale is the same on every rank without a collective of its own: it follows
+        the gradients DDP all-reduced (`finite` must be such an agreed verdict too: see `_fold`)."""
+        if finite and self.scaler.get_scale() >= 1:
+            return
+        lr, peak = self.opt.param_groups[0]["lr"], self.cfg.recipe.lr
+        raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {self.progress.step} at lr "
+                       f"{lr:.4g}: the loss, the gradients or BatchNorm's statistics are no longer finite. The "
+                       f"checkpoints keep the last finite weights; start again with a smaller --lr (e.g. "
+                       f"{peak / 10:.4g}) in a new --out.")
 
     def _record(self, epoch: int, result: EvalResult, images_per_second: float, seconds: float) -> None:
         """One line of metrics.jsonl, the console line and the plots (rank 0)."""
@@ -275,6 +336,21 @@ def run(cfg: TrainConfig, d: Dist) -> float:
                f"channels_last {trainer.channels_last}")
     result = trainer.run()
     report.close()
-    report.say(f"final: test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on "
-               f"{data.name} after {r.epochs} epochs, world size {d.world_size}; outputs in {cfg.out}")
+    report.say(final_line(cfg, trainer, result))
     return result.accuracy
+
+
+def final_line(cfg: TrainConfig, trainer: Trainer, result: EvalResult) -> str:
+    """The run's last word: the accuracy, and how the run ended against --target-accuracy if one was set."""
+    r, target, done = cfg.recipe, f"{cfg.target_accuracy or 0:.2%}", trainer.progress.epoch
+    score = f"test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on {cfg.data.dataset}"
+    where = f"world size {trainer.d.world_size}; outputs in {cfg.out}"
+    if trainer.target_outcome == "already":
+        return (f"final: already done: an earlier epoch reached the target {target} (best test accuracy "
+                f"{trainer.progress.best_accuracy:.2%}), so nothing was trained; raise --target-accuracy or leave "
+                f"it out to train on; outputs in {cfg.out}")
+    if trainer.target_outcome == "reached":
+        return f"final: reached the target {target} after epoch {done} of {r.epochs}: {score}, {where}"
+    if trainer.target_outcome == "missed":
+        return f"final: did not reach the target {target} in {r.epochs} epochs: {score}, {where}"
+    return f"final: {score} after {r.epochs} epochs, {where}"
