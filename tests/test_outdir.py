@@ -146,11 +146,11 @@ def _epoch(n: int) -> dict:
 def test_writers_on_a_full_disk_keep_what_was_there(tmp_path: Path) -> None:
     with _tmpfs(tmp_path / "fs", "1m") as fs:
         report = Reporter(fs, enabled=True, progress=False, plots=False)
-        report.epoch(_epoch(1), torch.zeros(10, 10), ())
+        report.epoch(_epoch(1), torch.zeros(10, 10), (), step=1)
         checkpoint.save(fs / "checkpoint.pt", {"model": {"w": torch.ones(1000)}})
         _fill(fs)
         with pytest.raises(WriteFailed, match=NO_SPACE) as failed:
-            report.epoch(_epoch(2), torch.zeros(10, 10), ())
+            report.epoch(_epoch(2), torch.zeros(10, 10), (), step=2)
         assert "metrics.jsonl" in str(failed.value) and failed.value.exit_code == 1
         with pytest.raises(WriteFailed, match=NO_SPACE):
             checkpoint.save(fs / "checkpoint.pt", {"model": {"w": torch.zeros(1000)}})
