@@ -142,16 +142,33 @@ def _killed_mid_epoch_2(out: Path, world: int) -> None:
         assert run.returncode == (-signal.SIGKILL if r == 0 else 1), err
 
 
+def _world(n: int) -> list[str]:
+    return ["-n", "1", "-g", str(n)] if n > 1 else []
+
+
+@pytest.fixture(scope="module")
+def calm_accuracy(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Final test accuracy of uninterrupted runs at world size 1 and 2. They differ (a run at world 2 takes
+    half the steps, and this tiny run is far from converged), so a resumed run is judged against both."""
+    where = tmp_path_factory.mktemp("calm")
+    accuracy = {}
+    for world in (1, 2):
+        r = run_cli(*ODD, "--out", str(where / str(world)), *_world(world), cwd=where, env=ONE_THREAD)
+        assert r.returncode == 0, r.stderr
+        accuracy[world] = metrics(where / str(world))[-1]["test_accuracy"]
+    return accuracy
+
+
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_resume_mid_epoch_at_another_world_size(before: int, after: int, tmp_path: Path) -> None:
+def test_resume_mid_epoch_at_another_world_size(before: int, after: int, calm_accuracy: dict[int, float],
+                                                tmp_path: Path) -> None:
     """Killed mid-epoch 2 at one world size, resumed with --resume at another: it finishes, epoch 2 trains
-    every sample once plus only the new world's padding, and it lands near the uninterrupted run."""
+    every sample once plus only the new world's padding, and it lands among the uninterrupted runs."""
     out = tmp_path / "out"
     _killed_mid_epoch_2(out, before)
     consumed = progress(out)["consumed"]  # type: ignore[index]
     assert consumed == 3 * 100 * before  # 3 steps of the global batch
-    r = run_cli(*ODD, "--out", str(out), "--resume", *(["-n", "1", "-g", "2"] if after > 1 else []), cwd=tmp_path,
-                env=ONE_THREAD)
+    r = run_cli(*ODD, "--out", str(out), "--resume", *_world(after), cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     assert f"world size changed {before} → {after}, global batch {100 * before} → {100 * after}" in r.stdout
     assert f"epoch 2, {consumed} of its 801 samples done" in r.stdout
@@ -161,7 +178,5 @@ def test_resume_mid_epoch_at_another_world_size(before: int, after: int, tmp_pat
     padding = -remaining % after  # DistributedSampler's: the remainder rounded up to a multiple of the world
     assert history[0]["train_samples"] == 801 + (-801 % before)
     assert history[1]["train_samples"] == 801 + padding
-    calm = tmp_path / "calm"
-    r = run_cli(*ODD, "--out", str(calm), cwd=tmp_path, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr
-    assert abs(history[1]["test_accuracy"] - metrics(calm)[1]["test_accuracy"]) <= 0.1
+    low, high = sorted(calm_accuracy.values())
+    assert low - 0.05 <= history[1]["test_accuracy"] <= high + 0.05, (history[1], calm_accuracy)
