@@ -21,7 +21,7 @@ import torch
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
-from procfs import finish, marked_env, reaped, start, wait_for
+from procfs import children, finish, marked_env, reaped, start, wait_for
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
@@ -156,8 +156,8 @@ def test_torchrun_loses_a_node_and_continues_alone(machines: Machines, tmp_path:
     box). Mid-epoch 2 the agent of the node that does not host the rendezvous is SIGKILLed with its workers;
     the survivor's workers lose their peers, its agent restarts them, the rendezvous closes with one node,
     and they continue at world size 2 from the world-4 checkpoint, without --resume, to the end."""
-    out, samples = tmp_path / "shared", 4800  # 12 steps per rank per epoch at world 4, a checkpoint every 2
-    args = ["train", *tiny(samples, 200, epochs=3), "--seed", "3", "--timeout", "30", "--checkpoint-every", "2"]
+    out, samples = tmp_path / "shared", 24000  # 60 steps per rank per epoch at world 4, a checkpoint every 5
+    args = ["train", *tiny(samples, 200, epochs=3), "--seed", "3", "--timeout", "30", "--checkpoint-every", "5"]
     commands = [["torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"{ADDRS[0]}:29402", "--rdzv-id", "elastic-job", "--local-addr", ADDRS[n],
                  "--rdzv-conf", f"is_host={int(n == 0)},last_call_timeout=10", "--max-restarts", "1",
@@ -169,7 +169,11 @@ def test_torchrun_loses_a_node_and_continues_alone(machines: Machines, tmp_path:
                  for n, cmd in enumerate(commands)]
         inside_epoch_2 = lambda: (p := progress(out)) and p["epoch"] == 1 and p["consumed"] > 0  # noqa: E731
         wait_for("a checkpoint inside epoch 2", inside_epoch_2, RUN_TIMEOUT, 0.01, running=nodes[0])
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # the agent and its workers: the machine is gone
+        workers = children(nodes[1].pid)  # torchrun starts each worker in a session of its own
+        assert len(workers) == 2, workers
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # the agent's process group, then its workers: the machine is gone
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
         nodes[1].wait()
         rc, log = finish(nodes[0], tmp_path / "node0.log", RUN_TIMEOUT)
     assert rc == 0, log
