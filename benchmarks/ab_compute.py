@@ -48,7 +48,7 @@ def main() -> None:
         model = ConvNet().to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        opt, _ = train.build_optimizer(recipe, model, 1)
+        opt, _ = train.build_optimizer(recipe, model)
         batches = ShardedBatches(images, labels, args.batch_size, rank=0, world=1, device=device, shuffle=True,
                                  channels_last=channels_last)
         name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "")

@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mnist_ddp import compute, train
-from mnist_ddp.config import TrainConfig
-from mnist_ddp.evaluation import autocast
+from mnist_ddp.compute import autocast
+from mnist_ddp.config import RECIPES
 from mnist_ddp.model import ConvNet
 
 GRADIENT_BYTES = 29_034 * 4
@@ -153,11 +153,12 @@ def _worker(spec: dict) -> None:
 def _time_steps(batch: int, steps: int, warmup: int, world: int) -> dict[str, float]:
     """Mean seconds per phase of a training step; the gradients live in one flat buffer, all-reduced as DDP does."""
     device = torch.device("cpu")
-    cfg = compute.resolve(replace(TrainConfig().resolve(), scheduler="none"), device)
+    recipe = replace(RECIPES["default"], scheduler="none")
+    amp, channels_last = compute.amp_for(recipe.amp, device), compute.channels_last_for(None, device)
     model = ConvNet()
-    if cfg.channels_last:
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, _ = train.build_optimizer(cfg, model, 1)
+    opt, _ = train.build_optimizer(recipe, model)
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))
     offset = 0
@@ -167,12 +168,12 @@ def _time_steps(batch: int, steps: int, warmup: int, world: int) -> dict[str, fl
     assert flat.numel() * 4 == GRADIENT_BYTES, "the ConvNet is not the one this script models"
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 1, 28, 28, generator=g)
-    x = x.to(memory_format=torch.channels_last) if cfg.channels_last else x
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
     y = torch.randint(0, 10, (batch,), generator=g)
     totals = dict.fromkeys((*PHASES, "allreduce"), 0.0)
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        with autocast(device, cfg.amp):
+        with autocast(device, amp):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=False)
         t1 = time.perf_counter()

@@ -43,7 +43,7 @@ class Evil:
 def _ours(model: nn.Module) -> dict:
     """A complete, resumable checkpoint of ours around `model`'s weights."""
     return {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "scheduler": None,
-            "progress": {"epoch": 1, "step": 0, "loss_sum": 0.0, "seen": 0, "best_accuracy": 0.5},
+            "progress": {"epoch": 1, "consumed": 0, "loss_sum": 0.0, "seen": 0, "best_accuracy": 0.5},
             "rng": torch.get_rng_state(), "config": {}}
 
 

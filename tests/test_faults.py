@@ -35,11 +35,12 @@ def _temp_files(out: Path) -> list[str]:
 # --- elastic restart under torchrun -------------------------------------------------------------------
 
 def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tmp_path: Path) -> None:
-    """SIGKILL rank 0 in the middle of epoch 2 of 3 under `--max-restarts 1`: the agent restarts the
-    workers, they resume from the mid-epoch checkpoint, and the end result is exactly an undisturbed run's."""
+    """SIGKILL rank 0 in the middle of epoch 2 of 3 under `--max-restarts 1`, no --resume: the agent restarts
+    the workers, they see a restart of their own job and resume from the mid-epoch checkpoint by themselves,
+    and the end result is exactly an undisturbed run's. A fresh torchrun with the same run id is refused."""
     job = ["torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            "--monitor-interval", "0.2", "-m"]
-    extra = ["--resume", "--epochs", "3", "--checkpoint-every", "4", "--timeout", "60"]
+    extra = ["--epochs", "3", "--checkpoint-every", "4", "--timeout", "60"]
     env, mark = marked_env()
     killed, calm = tmp_path / "killed", tmp_path / "calm"
     with reaped(mark):
@@ -47,7 +48,7 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
                 for name, out in (("killed", killed), ("calm", calm))}
         # 30 steps per epoch per rank; a checkpoint every 4 steps: (1, 4) is the first save inside epoch 2,
         # and the kill lands before (2, 0), the end of epoch 2, with 26 steps to spare.
-        inside_epoch_2 = lambda: (p := progress(killed)) and p["epoch"] == 1 and p["step"] > 0 and p  # noqa: E731
+        inside_epoch_2 = lambda: (p := progress(killed)) and p["epoch"] == 1 and p["consumed"] > 0 and p  # noqa: E731
         at = wait_for("a checkpoint inside epoch 2", inside_epoch_2, HANG, 0.01, running=runs["killed"])
         workers = [pid for pid in children(runs["killed"].pid) if "RANK" in env_of(pid)]
         assert len(workers) == 2, workers
@@ -57,9 +58,10 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
     for rc, log in results.values():
         assert rc == 0, log
     log = results["killed"][1]
-    assert f"resume: from {killed / 'checkpoint.pt'}, epoch 2 step" in log, log
-    resumed_step = int(log.split(f"resume: from {killed / 'checkpoint.pt'}, epoch 2 step ")[1].split()[0])
-    assert resumed_step >= at["step"]  # the restart picked up the newest checkpoint, not an older one
+    assert log.count("restart: torchrun restarted job") == 1 and "continuing" in log, log
+    assert f"resume: from {killed / 'checkpoint.pt'}, epoch 2, " in log, log
+    resumed = int(log.split(f"resume: from {killed / 'checkpoint.pt'}, epoch 2, ")[1].split()[0].replace(",", ""))
+    assert resumed >= at["consumed"]  # the restart picked up the newest checkpoint, not an older one
     assert "resume:" not in results["calm"][1].replace("resume: no checkpoint", "")
     # Nothing was repeated in the record, and the end is the same as if nothing had happened.
     assert [m["epoch"] for m in metrics(killed)] == [1, 2, 3]
@@ -69,6 +71,20 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
     a, b = (torch.load(out / "checkpoint.pt", weights_only=True)["model"] for out in (killed, calm))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _temp_files(killed) == []  # the killed writer's temp file, if any, was cleaned up
+
+    # --standalone draws a run id per torchrun; a new torchrun given that same id is a new job (restart
+    # count 0), not a restart: it must not take over the finished run's --out.
+    run_id = checkpoint.load(killed / "checkpoint.pt")["run_id"]
+    assert run_id
+    before = (killed / "checkpoint.pt").read_bytes()
+    again = ["torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id, "-m"]
+    with reaped(mark):
+        rc, log = finish(start([*again, *_train(killed, *extra)], env, tmp_path, tmp_path / "again.log"),
+                         tmp_path / "again.log", HANG)
+    assert rc != 0 and "already holds a run; pass --resume" in log, log
+    assert "restart: torchrun" not in log, log
+    assert (killed / "checkpoint.pt").read_bytes() == before
 
 
 # --- checkpoints survive a crash in the middle of writing them ------------------------------------------

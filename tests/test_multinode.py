@@ -8,6 +8,7 @@ gloo; the final weights must equal those of a one-machine `-n 1 -g 4` run with t
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics, tiny
-from procfs import finish, marked_env, reaped, start
+from conftest import metrics, progress, tiny
+from mnist_ddp import checkpoint
+from procfs import children, finish, marked_env, reaped, start, wait_for
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
@@ -147,3 +149,41 @@ def test_torchrun_on_two_machines(machines: Machines, reference: tuple[Backgroun
                  "--rdzv-conf", f"is_host={int(n == 0)}", "-m", "mnist_ddp", *ARGS, "--out", str(outs[n])]
                 for n in range(2)]
     _check(_run_nodes(commands, machines, tmp_path, module=True), outs, reference)
+
+
+def test_torchrun_loses_a_node_and_continues_alone(machines: Machines, tmp_path: Path) -> None:
+    """Elastic membership: `--nnodes 1:2` on both machines, one shared --out (the same file system on this
+    box). Mid-epoch 2 the agent of the node that does not host the rendezvous is SIGKILLed with its workers;
+    the survivor's workers lose their peers, its agent restarts them, the rendezvous closes with one node,
+    and they continue at world size 2 from the world-4 checkpoint, without --resume, to the end."""
+    out, samples = tmp_path / "shared", 24000  # 60 steps per rank per epoch at world 4, a checkpoint every 5
+    args = ["train", *tiny(samples, 200, epochs=3), "--seed", "3", "--timeout", "30", "--checkpoint-every", "5"]
+    commands = [["torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"{ADDRS[0]}:29402", "--rdzv-id", "elastic-job", "--local-addr", ADDRS[n],
+                 "--rdzv-conf", f"is_host={int(n == 0)},last_call_timeout=10", "--max-restarts", "1",
+                 "--monitor-interval", "0.2", "-m", "mnist_ddp", *args, "--out", str(out)] for n in range(2)]
+    # Restarts on several nodes need a fresh store per rendezvous round (README, "When things go wrong").
+    env, mark = marked_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    with reaped(mark):
+        nodes = [start(cmd, env, tmp_path, tmp_path / f"node{n}.log", prefix=machines.prefix(n))
+                 for n, cmd in enumerate(commands)]
+        inside_epoch_2 = lambda: (p := progress(out)) and p["epoch"] == 1 and p["consumed"] > 0  # noqa: E731
+        wait_for("a checkpoint inside epoch 2", inside_epoch_2, RUN_TIMEOUT, 0.01, running=nodes[0])
+        workers = children(nodes[1].pid)  # torchrun starts each worker in a session of its own
+        assert len(workers) == 2, workers
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # the agent's process group, then its workers: the machine is gone
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        nodes[1].wait()
+        rc, log = finish(nodes[0], tmp_path / "node0.log", RUN_TIMEOUT)
+    assert rc == 0, log
+    assert "restart: torchrun restarted job elastic-job" in log, log
+    assert "world size changed 4 → 2, global batch 400 → 200" in log, log
+    consumed = int(log.split("resume: from ")[1].split("epoch 2, ")[1].split()[0].replace(",", ""))
+    assert 0 < consumed < samples
+    history = metrics(out)
+    assert [m["epoch"] for m in history] == [1, 2, 3], history  # complete, none twice
+    assert [m["world_size"] for m in history] == [4, 2, 2]
+    assert history[1]["train_samples"] == samples + -(samples - consumed) % 2  # the new world's padding only
+    final = checkpoint.load(out / "checkpoint.pt")
+    assert final["progress"]["epoch"] == 3 and final["config"]["world_size"] == 2

@@ -56,14 +56,14 @@ def _rank(d: Dist, out: str) -> None:
         cfg = _config(optimizer)
         net = train.wrap(model, cfg, d)
         assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
-        opt, sched = train.build_optimizer(cfg.recipe, model, len(_steps()))
+        opt, schedule = train.build_optimizer(cfg.recipe, model)
         x, y = _data()
-        for epoch, step in _steps():
+        for n, (epoch, step) in enumerate(_steps()):
             i = _batch(d.rank, step, epoch)
+            schedule(n / len(_steps()))
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x[i]), y[i]).backward()
             opt.step()
-            sched.step()
         torch.save(model.state_dict(), os.path.join(out, f"{optimizer}-rank{d.rank}.pt"))
 
 
@@ -71,15 +71,15 @@ def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # rank 0's initial weights
     model = ConvNet()
     cfg = _config(optimizer)
-    opt, sched = train.build_optimizer(cfg.recipe, model, len(_steps()))
+    opt, schedule = train.build_optimizer(cfg.recipe, model)
     x, y = _data()
-    for epoch, step in _steps():
+    for n, (epoch, step) in enumerate(_steps()):
+        schedule(n / len(_steps()))
         opt.zero_grad(set_to_none=True)
         for rank in range(WORLD):  # one micro-batch per rank; BatchNorm sees each half on its own
             i = _batch(rank, step, epoch)
             (F.cross_entropy(model(x[i]), y[i]) / WORLD).backward()  # the mean of the ranks' gradients
         opt.step()
-        sched.step()
     return model.state_dict()
 
 

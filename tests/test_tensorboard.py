@@ -15,7 +15,8 @@ from mnist_ddp import checkpoint, cli
 pytest.importorskip("tensorboard")  # the `dev` extra installs it
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-STEPS = 8  # optimizer steps per epoch of tiny()'s 800 images at batch 100, one process
+SAMPLES = 800  # per epoch, tiny()'s: TensorBoard's x-axis counts training samples (the same at any world size)
+STEPS = 8  # optimizer steps per epoch at batch 100, one process
 PER_EPOCH = ("train_loss", "test_loss", "test_accuracy", "lr", "images_per_second")
 
 
@@ -33,16 +34,16 @@ def _events(out: Path) -> EventAccumulator:
 
 
 def _points(acc: EventAccumulator, tag: str) -> dict[int, float]:
-    """step → value; a step drawn twice fails here rather than silently keeping one."""
+    """x (samples trained) → value; a point drawn twice fails here rather than silently keeping one."""
     steps = [e.step for e in acc.Scalars(tag)]
     assert steps == sorted(set(steps)), f"{tag}: steps {steps}"
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
-def _assert_epochs_match_metrics(out: Path, steps_per_epoch: int) -> None:
-    """One point per epoch at its last optimizer step, equal to metrics.jsonl (TensorBoard keeps float32)."""
+def _assert_epochs_match_metrics(out: Path) -> None:
+    """One point per epoch at its end, equal to metrics.jsonl (TensorBoard keeps float32)."""
     acc, rows = _events(out), metrics(out)
-    ends = [row["epoch"] * steps_per_epoch for row in rows]
+    ends = [row["epoch"] * SAMPLES for row in rows]
     for key in PER_EPOCH:
         points = _points(acc, f"epoch/{key}")
         assert list(points) == ends, key
@@ -56,9 +57,10 @@ def test_one_process_logs_every_n_steps_and_each_epoch(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _ok(run_cli(*_train(out, "--log-every", "3"), cwd=tmp_path, env=ONE_THREAD))
     acc = _events(out)
-    assert list(_points(acc, "train/loss")) == [3, 6, 9, 12, 15]  # the run's optimizer steps, across epochs
-    assert list(_points(acc, "train/lr")) == [3, 6, 9, 12, 15]
-    _assert_epochs_match_metrics(out, STEPS)
+    every_3rd_step = [300, 600, 900, 1200, 1500]  # the run's optimizer steps 3, 6, …, across epochs, in samples
+    assert list(_points(acc, "train/loss")) == every_3rd_step
+    assert list(_points(acc, "train/lr")) == every_3rd_step
+    _assert_epochs_match_metrics(out)
 
 
 def test_two_ranks_log_all_ranks_loss_through_rank_0_alone(tmp_path: Path) -> None:
@@ -66,7 +68,7 @@ def test_two_ranks_log_all_ranks_loss_through_rank_0_alone(tmp_path: Path) -> No
     _ok(run_cli(*_train(out, "-g", "2", "--log-every", "1"), cwd=tmp_path, env=ONE_THREAD))
     assert len(list((out / "tb").iterdir())) == 1  # one writer: rank 0's
     steps = STEPS // 2  # 400 images per rank
-    _assert_epochs_match_metrics(out, steps)
+    _assert_epochs_match_metrics(out)
     # Every step's loss is the mean over both ranks' equal batches, so an epoch's points average to
     # metrics.jsonl's train loss (all ranks' images); rank 0's own losses would not.
     loss = list(_points(_events(out), "train/loss").values())
@@ -84,15 +86,15 @@ def test_a_resumed_run_draws_each_step_once(tmp_path: Path) -> None:
     before = _points(_events(out), "train/loss")
     # Rewind the checkpoint to the end of epoch 1: exactly what a kill during epoch 2 leaves on disk.
     ckpt = checkpoint.load(out / "checkpoint.pt")
-    ckpt["progress"].update(epoch=1, step=0, loss_sum=0.0, seen=0)
+    ckpt["progress"].update(epoch=1, consumed=0, loss_sum=0.0, seen=0)
     checkpoint.save(out / "checkpoint.pt", ckpt)
 
     _ok(run_cli(*args, "--resume", cwd=tmp_path, env=ONE_THREAD))
     after = _points(_events(out), "train/loss")
-    assert list(after) == [3, 6, 9, 12, 15]
-    assert [after[s] for s in (3, 6)] == [before[s] for s in (3, 6)]  # epoch 1: kept, not redone
-    assert all(after[s] != before[s] for s in (9, 12, 15))  # epoch 2 trained twice: the second one's values
-    _assert_epochs_match_metrics(out, STEPS)
+    assert list(after) == [300, 600, 900, 1200, 1500]
+    assert [after[s] for s in (300, 600)] == [before[s] for s in (300, 600)]  # epoch 1: kept, not redone
+    assert all(after[s] != before[s] for s in (900, 1200, 1500))  # epoch 2 trained twice: the second one's values
+    _assert_epochs_match_metrics(out)
 
 
 def test_without_the_package_it_is_one_line_before_any_process_starts(tmp_path: Path) -> None:

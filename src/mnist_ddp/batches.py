@@ -5,6 +5,13 @@ No Dataset, no DataLoader, no per-sample Python: the whole split sits in memory
 rank sees follows `torch.utils.data.DistributedSampler` exactly — a permutation
 seeded by seed + epoch, padded to a multiple of the world size, then
 every world_size-th index from `rank` — so results match the standard recipe.
+
+Resuming mid-epoch, possibly at another world size, the position is the number of samples of
+the epoch's permutation already trained on, over all ranks (always a prefix of it: step k of every
+rank ends at position k × batch × world). What remains is sharded over the new world by the same
+rule, as DistributedSampler would shard a dataset of just those samples, except that the padding
+continues round the epoch's permutation (its first samples), exactly as it does uninterrupted: so a
+resume at the same world size gives the very batches an uninterrupted run gives.
 """
 
 import math
@@ -15,15 +22,17 @@ import torch
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
 
 
-def shard_size(n: int, rank: int, world: int, *, pad: bool = True) -> int:
+def shard_size(n: int, rank: int, world: int, *, pad: bool = True, start: int = 0) -> int:
     """len(shard_indices(...)) by arithmetic, without drawing the permutation."""
-    return math.ceil(n / world) if pad else len(range(rank, n, world))
+    return math.ceil((n - start) / world) if pad else len(range(start + rank, n, world))
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int,
-                  pad: bool = True) -> torch.Tensor:
+                  pad: bool = True, start: int = 0) -> torch.Tensor:
     """This rank's sample indices for `epoch`, as DistributedSampler would give them.
 
+    `start`: the first `start` samples of the epoch's permutation were trained on already (a resume);
+    the rest are padded, by repeating the permutation from its beginning, to a multiple of `world`.
     `pad=False` is for evaluation: no sample is repeated or dropped, so shards may
     differ in length by one and the all-reduced totals count every sample once.
     """
@@ -34,11 +43,11 @@ def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, ep
     else:
         indices = torch.arange(n)
     if not pad:
-        return indices[rank::world]
-    total = shard_size(n, rank, world) * world
-    if total > n:  # repeat from the start, as often as needed, to even out the shards
-        indices = indices.repeat(math.ceil(total / n))
-    return indices[:total][rank:total:world]
+        return indices[start + rank::world]
+    total = shard_size(n, rank, world, start=start) * world
+    if start + total > n:  # repeat from the start, as often as needed, to even out the shards
+        indices = indices.repeat(math.ceil((start + total) / n))
+    return indices[start : start + total][rank::world]
 
 
 class ShardedBatches:
@@ -52,28 +61,27 @@ class ShardedBatches:
         self.batch_size, self.rank, self.world = batch_size, rank, world
         self.device, self.shuffle, self.seed, self.pad = device, shuffle, seed, pad
         self.normalize, self.channels_last = normalize, channels_last
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats)."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out
+        the first `start` samples of its permutation, trained on before a resume."""
+        self.epoch, self.start = epoch, start
 
     def indices(self) -> torch.Tensor:
         return shard_indices(len(self.labels), self.rank, self.world, shuffle=self.shuffle,
-                             seed=self.seed, epoch=self.epoch, pad=self.pad)
+                             seed=self.seed, epoch=self.epoch, pad=self.pad, start=self.start)
 
     def __len__(self) -> int:
-        return math.ceil(shard_size(len(self.labels), self.rank, self.world, pad=self.pad) / self.batch_size)
+        return math.ceil(shard_size(len(self.labels), self.rank, self.world, pad=self.pad, start=self.start)
+                         / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.iterate()
-
-    def iterate(self, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches of this epoch, starting after the first `skip` (to resume mid-epoch)."""
+        """Batches of this epoch's shard (of what remains of it after `start`)."""
         order = self.indices()
         if self.device.type == "cuda":  # one small copy per epoch, queued without waiting for the GPU
             order = order.pin_memory().to(self.device, non_blocking=True)
-        for lo in range(skip * self.batch_size, len(order), self.batch_size):
+        for lo in range(0, len(order), self.batch_size):
             idx = order[lo : lo + self.batch_size]
             yield model_input(self.images[idx], self.normalize, self.channels_last), self.labels[idx]
 

@@ -60,6 +60,7 @@ class Dist:
     world_size: int
     local_world_size: int
     device: torch.device
+    run_id: str = ""  # torchrun's job id (TORCHELASTIC_RUN_ID), recorded in checkpoints
 
     @property
     def is_main(self) -> bool:
@@ -106,7 +107,7 @@ def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s:
         if device.type == "mps":
             raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
         _join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s))
-    return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device)
+    return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id)
 
 
 def _join(ident: Identity, backend: str, timeout: timedelta) -> None:

@@ -44,6 +44,7 @@ class Identity:
     master_port: int = 0
     launcher: str = "single process"
     attempt: int = 0  # torchrun's restart count: each attempt meets in a namespace of its own
+    run_id: str = ""  # torchrun's job id: --rdzv-id, or a fresh uuid per torchrun under --standalone
 
 
 def _int(env: Mapping[str, str], key: str) -> int | None:
@@ -98,7 +99,8 @@ def _from_torchrun(env: Mapping[str, str]) -> Identity:
         store_host = "rank0"
     return Identity(rank, local_rank, world, local_world, store_host,
                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT") or 0,
-                    launcher="torchrun", attempt=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0)
+                    launcher="torchrun", attempt=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+                    run_id=env.get("TORCHELASTIC_RUN_ID", ""))
 
 
 def _from_slurm(env: Mapping[str, str]) -> Identity:

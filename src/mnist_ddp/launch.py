@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -25,9 +26,9 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import compute, distributed, identity, outdir, rendezvous, tb, train
+from . import checkpoint, compute, distributed, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
-from .distributed import PeerFailure
+from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .identity import Identity
 
@@ -70,6 +71,8 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         finished = False
         try:
             if check_out:
+                if not cfg.resume and restarting(Path(cfg.out), ident, d):
+                    cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
             train.run(cfg, d)
             finished = True
@@ -84,6 +87,26 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             raise
         finally:
             distributed.teardown(together=finished)
+
+
+def restarting(out: Path, ident: Identity, d: Dist) -> bool:
+    """Whether torchrun is restarting the job that wrote `out`'s checkpoint (a worker died and the agent
+    started the workers again, with --max-restarts): then the run continues from it without --resume.
+
+    The same job: the run id recorded in the checkpoint is this one's (--rdzv-id, or --standalone's uuid,
+    fixed for the life of one torchrun). A restart: any rank's restart count is ≥ 1, not just this node's:
+    after a membership change a newly joined node's agent has restarted nothing yet. A fresh torchrun
+    with the same --rdzv-id has every count at 0, and is refused an occupied --out as before.
+    """
+    attempts = d.all_sum(torch.tensor(ident.attempt, device=d.device))  # every rank takes part, whatever it holds
+    if int(attempts) == 0 or not ident.run_id:
+        return False
+    path = out / "checkpoint.pt"
+    ours = d.from_main(lambda: path.is_file() and checkpoint.load(path).get("run_id") == ident.run_id)
+    if ours and d.is_main:
+        print(f"restart: torchrun restarted job {ident.run_id} (restart {ident.attempt} here); continuing {out} "
+              f"from its checkpoint, as --resume would", flush=True)
+    return ours
 
 
 def preflight(cfg: TrainConfig) -> None:

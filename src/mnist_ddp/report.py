@@ -26,15 +26,16 @@ class Reporter:
                  tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.metrics_path = out / "metrics.jsonl"
-        self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start step is known
+        # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
+        self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
 
     def begin(self, step: int) -> None:
-        """Training starts, or resumes, after optimizer step `step` of the run."""
+        """Training starts, or resumes, after `step` training samples of the run."""
         if self.enabled and self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
 
     def step(self, step: int, values: dict[str, float]) -> None:
-        """Scalars of one optimizer step (the train loss and the lr) for TensorBoard."""
+        """Scalars of one optimizer step (the train loss and the lr), drawn at `step` samples, for TensorBoard."""
         if self.tb is not None:
             self.tb.scalars(step, values)
 
@@ -61,7 +62,7 @@ class Reporter:
                              if line.strip() and json.loads(line)["epoch"] <= epoch])
 
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
-        """Record one finished epoch (ending at optimizer step `step`): console line, metrics.jsonl, plots,
+        """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
         TensorBoard."""
         if not self.enabled:
             return

@@ -1,8 +1,10 @@
 """TensorBoard event files under `<out>/tb/` (`--tensorboard`), written by rank 0's Reporter.
 
-The x-axis is the optimizer step of the run (epoch × steps per epoch + step), for the per-step train
-loss as for the per-epoch metrics, so that every curve lines up. `tensorboard` is imported only here,
-and only when the writer opens: runs without --tensorboard never pay its import (~0.25 s).
+The x-axis is the number of training samples of the run so far (over all ranks), for the per-step
+train loss as for the per-epoch metrics, so that every curve lines up, and it means the same when a
+resume changes the world size (optimizer steps would not: the global batch follows the world).
+`tensorboard` is imported only here, and only when the writer opens: runs without --tensorboard never
+pay its import (~0.25 s).
 """
 
 import importlib.util
@@ -27,12 +29,12 @@ class TensorBoard:
     """One SummaryWriter whose events are flushed as they are written, so a killed run loses none
     of the steps its last checkpoint covers."""
 
-    def __init__(self, logdir: Path, start_step: int) -> None:
+    def __init__(self, logdir: Path, start: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed (or restarted) run redoes everything after `start_step`: purge_step makes TensorBoard
+        # A resumed (or restarted) run redoes everything after `start`: purge_step makes TensorBoard
         # drop what the lost run logged there, instead of drawing those steps twice.
-        self.writer = SummaryWriter(str(logdir), purge_step=start_step + 1)
+        self.writer = SummaryWriter(str(logdir), purge_step=start + 1)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():

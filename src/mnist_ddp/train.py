@@ -20,14 +20,13 @@ import platform
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, compute, datasets
+from . import checkpoint, compute, datasets, schedule
 from .batches import ShardedBatches
 from .compute import autocast
 from .config import Recipe, TrainConfig
@@ -38,8 +37,10 @@ from .model import ConvNet
 from .report import Reporter
 
 # Settings that shape the run; resuming with any of them changed would not continue the same run.
+# The world size may change: the samples that remain are re-sharded over the new world (batches.py),
+# and the lr follows the samples seen, not the steps taken (schedule.py).
 RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
-                     "scheduler", "normalize", "label_smoothing", "seed", "world_size")
+                     "scheduler", "normalize", "label_smoothing", "seed")
 
 
 class Diverged(UserError):
@@ -69,7 +70,7 @@ class Progress:
     """Where the run stands; saved in every checkpoint."""
 
     epoch: int = 0  # epochs completed
-    step: int = 0  # optimizer steps done in the current epoch
+    consumed: int = 0  # samples of the current epoch's permutation trained on, over all ranks (padding not counted)
     loss_sum: float = 0.0  # over all ranks, for the current epoch so far
     seen: int = 0  # training images over all ranks, current epoch so far
     best_accuracy: float = -1.0
@@ -81,8 +82,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_optimizer(r: Recipe, model: nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
-    """The recipe's optimizer and a per-step LR schedule over `steps` steps (None for constant LR)."""
+def build_optimizer(r: Recipe, model: nn.Module) -> tuple[torch.optim.Optimizer, schedule.Schedule]:
+    """The recipe's optimizer, and its schedule: call it with the fraction of the run done before each step."""
     # One fused kernel per step instead of a handful per parameter: ~3x less optimizer time on the CPU.
     fused = {"fused": True} if compute.fused_optimizers(next(model.parameters()).device) else {}
     if r.optimizer == "sgd":
@@ -91,13 +92,7 @@ def build_optimizer(r: Recipe, model: nn.Module, steps: int) -> tuple[torch.opti
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(r.momentum, 0.999),
                                 weight_decay=r.weight_decay, **fused)
-    if r.scheduler == "onecycle":
-        # A quarter of the steps warm up; OneCycleLR divides by zero when that is exactly one step.
-        pct_start = 0.25 if steps * 0.25 != 1 else 0.5
-        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=r.lr, total_steps=steps, pct_start=pct_start)
-    if r.scheduler == "cosine":
-        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    return opt, None
+    return opt, schedule.build(r, opt)
 
 
 # By default DDP re-sends rank 0's BatchNorm running statistics before every forward: one more collective
@@ -156,7 +151,7 @@ class Trainer:
         self.model = ConvNet().to(d.device)  # the plain ConvNet: evaluated and saved
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.opt, self.sched = build_optimizer(r, self.model, len(self.train_batches) * r.epochs)
+        self.opt, self.schedule = build_optimizer(r, self.model)
         self.scaler = guard(d.device, self.amp)
         self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
@@ -167,7 +162,7 @@ class Trainer:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
         if self.cfg.resume:
             self._resume()
-        self.report.begin(self.global_step)
+        self.report.begin(self.samples_done)
         if self._reached(self.progress.best_accuracy):  # an epoch before the resume reached the target
             self.target_outcome = "already"
             return evaluate(self.model, self.test_batches, self.d, self.amp)
@@ -175,7 +170,8 @@ class Trainer:
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.progress.seen, time.perf_counter()
-            self.train_batches.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            # A new shuffle each epoch, the same on every rank; resumed mid-epoch, only what remains of it.
+            self.train_batches.set_epoch(epoch, start=self.progress.consumed)
             seconds = self._train_epoch(net, epoch)
             result = evaluate(self.model, self.test_batches, self.d, self.amp)
             speed = (self.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
@@ -194,31 +190,31 @@ class Trainer:
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int) -> float:
-        """Train one epoch from `progress.step` on; returns the seconds it took."""
+        """Train one epoch from `progress.consumed` on; returns the seconds it took."""
         cfg, d, progress = self.cfg, self.d, self.progress
-        steps = len(self.train_batches)
+        n, global_batch = len(self.data.train.labels), cfg.recipe.batch_size * d.world_size
+        steps, done = len(self.train_batches), progress.consumed // global_batch  # of this epoch, at this world
         sync(d.device)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last fold
         seen_here = 0
-        batches = self.train_batches.iterate(skip=progress.step)
-        for x, y in self.report.bar(batches, steps, f"epoch {epoch + 1}/{cfg.recipe.epochs}", initial=progress.step):
+        desc = f"epoch {epoch + 1}/{cfg.recipe.epochs}"
+        for step, (x, y) in enumerate(self.report.bar(self.train_batches, done + steps, desc, initial=done), 1):
+            self.schedule(self.samples_done / (cfg.recipe.epochs * n))
             with autocast(d.device, self.amp):
                 loss = F.cross_entropy(net(x), y, label_smoothing=cfg.recipe.label_smoothing)
             self.opt.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
             self.scaler.step(self.opt)
             self.scaler.update()
-            if self.sched is not None:
-                self.sched.step()
             loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
             seen_here += len(y)
-            progress.step += 1
-            if cfg.tensorboard and self.global_step % cfg.log_every == 0:
+            progress.consumed = min(n, progress.consumed + global_batch)  # the padding is not a sample consumed
+            if cfg.tensorboard and self.steps_done % cfg.log_every == 0:
                 self._log_step(loss)
-            if progress.step % self.check_every == 0:
+            if step % self.check_every == 0:
                 self._stop_if_diverged()
-            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < steps:
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < steps:
                 self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
                 seen_here = 0
@@ -230,15 +226,22 @@ class Trainer:
         return time.perf_counter() - start
 
     @property
-    def global_step(self) -> int:
-        """Optimizer steps since the run began: TensorBoard's x-axis."""
-        return self.progress.epoch * len(self.train_batches) + self.progress.step
+    def steps_done(self) -> int:
+        """Optimizer steps of the run so far, counted at this world size (what --log-every counts)."""
+        global_batch, n = self.cfg.recipe.batch_size * self.d.world_size, len(self.data.train.labels)
+        return self.progress.epoch * math.ceil(n / global_batch) + math.ceil(self.progress.consumed / global_batch)
+
+    @property
+    def samples_done(self) -> int:
+        """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis,
+        both of which must mean the same whatever the world size (a resume may change it)."""
+        return self.progress.epoch * len(self.data.train.labels) + self.progress.consumed
 
     def _log_step(self, loss: torch.Tensor) -> None:
         """This step's loss averaged over the ranks (one small all-reduce: the global batch's loss, not
         rank 0's shard's) and the lr, to TensorBoard."""
         mean = float(self.d.all_sum(loss.detach().float().clone())) / self.d.world_size
-        self.report.step(self.global_step, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
+        self.report.step(self.samples_done, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
         """Add every rank's loss and image count since the last fold into `progress`; stop if the run diverged.
@@ -263,7 +266,8 @@ class Trainer:
         if finite and self.scaler.get_scale() >= 1:
             return
         lr, peak = self.opt.param_groups[0]["lr"], self.cfg.recipe.lr
-        raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {self.progress.step} at lr "
+        step = math.ceil(self.progress.consumed / (self.cfg.recipe.batch_size * self.d.world_size))
+        raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {step} at lr "
                        f"{lr:.4g}: the loss, the gradients or BatchNorm's statistics are no longer finite. The "
                        f"checkpoints keep the last finite weights; start again with a smaller --lr (e.g. "
                        f"{peak / 10:.4g}) in a new --out.")
@@ -276,9 +280,10 @@ class Trainer:
             "train_loss": p.loss_sum / max(p.seen, 1),
             "test_loss": result.loss, "test_accuracy": result.accuracy,
             "test_correct": result.correct, "test_count": result.count,
+            "train_samples": p.seen,  # over all ranks, the sampler's padding included
             "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": self.opt.param_groups[0]["lr"],
             "world_size": self.d.world_size, "batch_size": r.batch_size, "dataset": self.data.name,
-        }, result.confusion, self.data.classes, self.global_step)
+        }, result.confusion, self.data.classes, self.samples_done)
 
     def _save(self, path: Path) -> None:
         """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks)."""
@@ -286,10 +291,10 @@ class Trainer:
             checkpoint.save(path, {
                 "model": checkpoint.plain_module(self.model).state_dict(),
                 "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict() if self.sched is not None else None,
                 "progress": vars(self.progress).copy(),
                 "rng": torch.get_rng_state(),
                 "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
+                "run_id": self.d.run_id,  # a torchrun restart of this same job continues it without --resume
             })
 
     def _resume(self) -> None:
@@ -301,7 +306,7 @@ class Trainer:
             self.report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
             return
         saved = ckpt.get("config", {})
-        current = cfg.to_dict() | {"world_size": self.d.world_size}
+        current = cfg.to_dict()
         changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
         if saved.get("data", {}).get("dataset") not in (None, cfg.data.dataset):
             changed.append("dataset")
@@ -310,12 +315,20 @@ class Trainer:
                             f"resume with the same settings or start a new --out.")
         checkpoint.restore_model(self.model, ckpt["model"], path)
         self.opt.load_state_dict(ckpt["optimizer"])
-        if self.sched is not None:
-            self.sched.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng"])
-        self.progress = Progress(**ckpt["progress"])
+        n, saved_progress = len(self.data.train.labels), ckpt["progress"]
+        if "step" in saved_progress:  # saved before positions were counted in samples: per-rank steps
+            steps = saved_progress.pop("step")
+            saved_progress["consumed"] = min(n, steps * cfg.recipe.batch_size * saved.get("world_size", 1))
+        self.progress = Progress(**saved_progress)
         self.report.keep_epochs_before(self.progress.epoch)  # a line of the epoch in progress was never saved
-        self.report.say(f"resume: from {path}, epoch {self.progress.epoch + 1} step {self.progress.step}")
+        self.report.say(f"resume: from {path}, epoch {self.progress.epoch + 1}, {self.progress.consumed:,} of its "
+                        f"{n:,} samples done")
+        was, now, batch = saved.get("world_size", self.d.world_size), self.d.world_size, cfg.recipe.batch_size
+        if was != now:
+            self.report.say(f"resume: world size changed {was} → {now}, global batch {batch * was} → {batch * now}; "
+                            f"allowed: the per-process batch and lr are unchanged, the global batch follows the world "
+                            f"(README: Learning rate and world size), and the remaining samples are re-sharded")
 
 
 def run(cfg: TrainConfig, d: Dist) -> float:
