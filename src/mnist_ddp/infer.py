@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, datasets, idx, images
+from . import checkpoint, compute, datasets, idx, images
 from .batches import ShardedBatches, model_input
 from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
@@ -28,9 +28,15 @@ def run_evaluate(cfg: EvalConfig) -> int:
     device = pick_device(cfg.device, 0)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
+    # The precision and layout the run evaluated in, so that on the same device this reproduces its test
+    # metrics (a bare state_dict says nothing: fp32).
+    trained = ckpt.get("config", {})
+    amp = compute.amp_for(trained.get("amp", "off"), device)
+    channels_last = compute.channels_last_for(trained.get("channels_last"), device)
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
-                             shuffle=False, pad=False, normalize=_normalizes(ckpt))
-    result = evaluate(model.to(device), batches, Dist(0, 0, 1, 1, device))
+                             shuffle=False, pad=False, normalize=_normalizes(ckpt), channels_last=channels_last)
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
     print(f"test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on {data.name} "
           f"({data.where}), test loss {result.loss:.4f}")
     return 0
