@@ -51,7 +51,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
     model = ConvNet().to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, sched = train.build_optimizer(cfg.recipe, model, len(batches))
+    opt, schedule = train.build_optimizer(cfg.recipe, model)
     net = train.wrap(model, cfg, d)
     reduce_seconds: list[float] = []
     if world > 1:
@@ -88,8 +88,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         loss.backward()
         t3 = tick()
         opt.step()
-        if sched is not None:
-            sched.step()
+        schedule((step + 1) / steps)  # the lr for the next step, as the training loop sets it
         t4 = tick()
         for phase, seconds in zip(("data", "forward", "backward", "optimizer"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             totals[phase] += seconds
