@@ -11,7 +11,10 @@ distributed.py) and leaves it afterwards. What makes the loop distributed, in th
   and saving, so that every rank scores, and rank 0 saves, the same model;
 - `evaluate`: each rank scores its shard of the test set; one all-reduce makes it exact (evaluation.py);
 - `d.is_main`: rank 0 alone writes checkpoints (here) and reports (report.py, whose methods do
-  nothing on other ranks); `d.from_main` hands every rank what rank 0 read (the checkpoint).
+  nothing on other ranks); `d.from_main` hands every rank what rank 0 read (the checkpoint);
+- stopping early — divergence (`_stop_if_diverged`) or `--target-accuracy` — is decided from numbers
+  every rank already shares (the all-reduced gradients, the folded loss, the all-reduced accuracy), so
+  all ranks stop at the same step without a collective of their own, and none is left waiting.
 """
 
 import inspect
