@@ -21,7 +21,6 @@ from .download import file_lock
 from .errors import UserError, WriteFailed
 
 Tensors = dict[str, torch.Tensor]  # file name -> uint8 tensor of 1 (labels) or 3 (images) dimensions
-_MAGIC = {1: idx.LABELS_MAGIC, 3: idx.IMAGES_MAGIC}
 
 
 @contextlib.contextmanager
@@ -51,7 +50,8 @@ def all_cores() -> Iterator[None]:
 def _read(folder: Path, names: tuple[str, ...]) -> Tensors | None:
     """The files of a complete earlier make, or None if any is missing or fails the IDX checks."""
     try:
-        return {name: idx.read(folder / name, _MAGIC[3 if "images" in name else 1]) for name in names}
+        return {name: idx.read(folder / name, idx.IMAGES_MAGIC if "images" in name else idx.LABELS_MAGIC)
+                for name in names}
     except UserError:  # missing, truncated or corrupt: make it again
         return None
 
