@@ -14,6 +14,7 @@ from mnist_ddp import train
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
+from mnist_ddp.steps import PartStats
 
 WORLD = 2
 
@@ -25,7 +26,7 @@ def _rank(d: Dist, out: str) -> None:
     for step in range(3):  # each rank its own data, so its own BatchNorm statistics
         net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * d.rank + step))).sum().backward()
     before = {k: v.clone() for k, v in model.named_buffers()}
-    train.average_buffers(model, d)
+    PartStats(model, range(d.rank, WORLD, WORLD), WORLD, d).average()
     torch.save({"before": before, "after": dict(model.named_buffers())}, os.path.join(out, f"rank{d.rank}.pt"))
 
 

@@ -1,4 +1,5 @@
-"""`shard_indices` gives exactly what torch's DistributedSampler gives, and eval shards count each sample once."""
+"""`shard_indices` gives exactly what torch's DistributedSampler gives, eval shards count each sample once, and
+the training steps (the run's M micro-batch slots, shared by a world) are the same at any world size."""
 
 import itertools
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from mnist_ddp.batches import ShardedBatches, shard_indices
+from mnist_ddp.batches import ShardedBatches, Share, StepBatches, shard_indices
 
 SIZES = [1, 2, 3, 7, 10, 11, 64, 101]  # divisible and not, and smaller than the world
 
@@ -54,58 +55,98 @@ def test_sharded_batches_follow_the_shard_and_the_epoch() -> None:
             expected = shard_indices(n, rank, world, shuffle=True, seed=9, epoch=epoch)
             assert torch.cat(got).tolist() == expected.tolist() and len(got) == len(batches)
             assert all(torch.equal((x[:, 0, 0, 0] * 255).round().long(), y) for x, y in batches)  # image matches label
-            batches.set_epoch(epoch, start=2 * batch * world)  # resumed after 2 steps at the same world size
-            assert torch.cat([y for _, y in batches]).tolist() == expected[2 * batch:].tolist()
 
 
-# --- resuming mid-epoch at another world size ------------------------------------------------------------
+# --- the run's global batch: M micro-batch slots, shared by any world ---------------------------------------
 
-def _trained(n: int, batch: int, segments: list[tuple[int, int | None]], seed: int = 5,
-             epoch: int = 1) -> tuple[list[int], list[int]]:
-    """The samples one epoch trains on when it runs `steps` steps at world `world` for each (world, steps) in
-    turn (None: to the end of the epoch), each segment resuming where the last stopped, as the Trainer does;
-    and the position (samples of the permutation consumed) at which each segment started."""
-    consumed, trained, starts = 0, [], []
-    for world, steps in segments:
-        starts.append(consumed)
-        shards = [shard_indices(n, r, world, shuffle=True, seed=seed, epoch=epoch, start=consumed)
-                  for r in range(world)]
-        taken = [s[: len(s) if steps is None else steps * batch] for s in shards]
-        trained += torch.cat(taken).tolist()
-        consumed = min(n, consumed + max(map(len, taken)) * world)
-    return trained, starts
+def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image i is filled with i % 256 and labelled i: a batch's labels say which samples it holds."""
+    return torch.arange(n, dtype=torch.uint8)[:, None, None].expand(n, 28, 28).contiguous(), torch.arange(n)
 
 
-@pytest.mark.parametrize(("n", "batch", "segments"), [
-    (101, 8, [(2, 3), (1, None)]),  # 2 → 1
-    (101, 8, [(1, 5), (2, None)]),  # 1 → 2
-    (103, 4, [(4, 2), (2, None)]),  # 4 → 2
-    (103, 4, [(4, 2), (2, 3), (3, None)]),  # 4 → 2 → 3: interrupted twice
-    (7, 1, [(2, 1), (4, None)]),  # the remainder is smaller than the new world
+def _steps(n: int, batch: int, slots: int, world: int, epoch: int = 1,
+           start: int = 0) -> list[dict[int, list[list[int]]]]:
+    """For each step of the epoch from `start` on: {rank: [labels of each of its micro-batches]}."""
+    images, labels = _images(n)
+    ranks = {}
+    for rank in range(world):
+        b = StepBatches(images, labels, batch, Share(slots, world), rank=rank, device=torch.device("cpu"), seed=5,
+                        normalize=False)
+        b.set_epoch(epoch, start=start)
+        ranks[rank] = list(b)
+        assert len(ranks[rank]) == len(b)
+        for step in ranks[rank]:
+            for mb in step.micro_batches:
+                assert torch.equal((mb.x[:, 0, 0, 0] * 255).round().long(), mb.y % 256)  # image matches label
+    steps = len(ranks[0])
+    assert all(len(r) == steps for r in ranks.values())  # every rank takes part in every step's all-reduce
+    samples = [{r.samples for r in (ranks[k][s] for k in ranks)} for s in range(steps)]
+    assert all(len(x) == 1 for x in samples)  # every rank agrees on the step's size: the loss divisor
+    out = [{k: [mb.y.tolist() for mb in ranks[k][s].micro_batches] for k in ranks} for s in range(steps)]
+    for s, step in enumerate(out):
+        assert sum(len(mb) for mbs in step.values() for mb in mbs) == samples[s].pop()
+    return out
+
+
+def _parts(step: dict[int, list[list[int]]], world: int, parts: int) -> list[list[int]]:
+    """The step's micro-batches in part order (rank r trains parts r, r + world, …)."""
+    ordered = [None] * parts
+    for rank, mbs in step.items():
+        for i, mb in enumerate(mbs):
+            ordered[rank + i * world] = mb
+    return ordered
+
+
+def test_one_slot_per_rank_is_distributed_sampler() -> None:
+    """With M = world (no --accumulate), rank r's micro-batch at step s is DistributedSampler's shard, sliced."""
+    n, batch, world = 103, 8, 3
+    for step_index, step in enumerate(_steps(n, batch, world, world)):
+        for rank, (mb,) in step.items():
+            shard = shard_indices(n, rank, world, shuffle=True, seed=5, epoch=1)
+            assert mb == shard[step_index * batch : (step_index + 1) * batch].tolist()
+
+
+@pytest.mark.parametrize(("n", "batch"), [(103, 8), (60, 5), (7, 2)])
+def test_every_world_sees_the_same_micro_batches(n: int, batch: int) -> None:
+    """(W, K) = (4, 1), (2, 2), (1, 4) and 3 ranks sharing 4 slots: the same parts at every step. 8 ranks: the
+    same global batch, cut into 8."""
+    slots = 4
+    reference = [_parts(step, slots, slots) for step in _steps(n, batch, slots, slots)]
+    for world in (1, 2, 3):
+        steps = _steps(n, batch, slots, world)
+        assert [_parts(step, world, slots) for step in steps] == reference, world
+        if world == 3:  # uneven: rank 0 takes slots 0 and 3, the others one each
+            assert [len(mbs) for mbs in steps[0].values()] == [2, 1, 1]
+    for step, ref in zip(_steps(n, batch, slots, 8), reference, strict=True):
+        assert all(len(mbs) == 1 for mbs in step.values())
+        # The same samples, in slot order.
+        assert list(itertools.chain(*_parts(step, 8, 8))) == list(itertools.chain(*ref))
+        sizes = [len(mbs[0]) for mbs in step.values()]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("n", "batch", "slots", "segments"), [
+    (101, 8, 2, [(2, 3), (1, None)]),  # 2 → 1
+    (101, 8, 1, [(1, 5), (2, None)]),  # 1 → 2: more processes than slots
+    (103, 4, 4, [(4, 2), (2, None)]),  # 4 → 2
+    (103, 4, 4, [(4, 2), (2, 3), (3, None)]),  # 4 → 2 → 3: interrupted twice, the last uneven
+    (7, 1, 2, [(2, 1), (4, None)]),  # the remainder is smaller than the new world
 ])
-def test_resume_at_another_world_trains_every_sample_once_plus_the_new_padding(
-        n: int, batch: int, segments: list[tuple[int, int | None]]) -> None:
-    """Across the interruptions each sample of the epoch is trained on exactly once, plus DistributedSampler's
-    padding of the last segment: its remainder of m = n - start samples rounded up to a multiple of the world,
-    with the first samples of the epoch's permutation. The earlier segments never reach their padding."""
-    trained, starts = _trained(n, batch, segments)
+def test_a_resume_at_any_world_continues_the_same_steps(n: int, batch: int, slots: int,
+                                                        segments: list[tuple[int, int | None]]) -> None:
+    """Interrupted after a few steps and resumed at another world, the epoch trains the very samples, step by
+    step, of the uninterrupted run: each sample once, plus DistributedSampler's padding of the M slots."""
+    def samples(step: dict[int, list[list[int]]]) -> list[int]:
+        return sorted(itertools.chain(*itertools.chain(*step.values())))
+
+    uninterrupted = [samples(step) for step in _steps(n, batch, slots, slots)]
+    resumed, consumed = [], 0
+    for world, steps in segments:
+        taken = [samples(step) for step in _steps(n, batch, slots, world, start=consumed)]
+        taken = taken if steps is None else taken[:steps]
+        resumed += taken
+        consumed = min(n, consumed + sum(map(len, taken)))
+    assert resumed == uninterrupted
+    padding = math.ceil(n / slots) * slots - n
     perm = shard_indices(n, 0, 1, shuffle=True, seed=5, epoch=1)
-    last_world, remaining = segments[-1][0], n - starts[-1]
-    padding = math.ceil(remaining / last_world) * last_world - remaining
-    expected = Counter(range(n)) + Counter(perm.repeat(2)[:padding].tolist())
-    assert Counter(trained) == expected
-    assert len(trained) == n + padding
-    before = _trained(n, batch, segments[:1])[0]
-    assert sorted(before) == sorted(perm[: starts[1]].tolist())  # what was consumed is a prefix of the permutation
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_resume_at_the_same_world_gives_the_uninterrupted_batches(world: int) -> None:
-    n, batch = 101, 4
-    uninterrupted = _trained(n, batch, [(world, None)])[0]
-    resumed = _trained(n, batch, [(world, 3), (world, None)])[0]
-    per_rank = [shard_indices(n, r, world, shuffle=True, seed=5, epoch=1) for r in range(world)]
-    assert uninterrupted == torch.cat(per_rank).tolist()
-    # Rank by rank, the same samples in the same order: first 3 steps, then the rest.
-    assert resumed == (torch.cat([s[: 3 * batch] for s in per_rank]).tolist()
-                       + torch.cat([s[3 * batch:] for s in per_rank]).tolist())
+    assert Counter(itertools.chain(*resumed)) == Counter(range(n)) + Counter(perm[:padding].tolist())

@@ -1,89 +1,192 @@
 """Batches straight from an in-memory uint8 tensor, sharded across ranks.
 
 No Dataset, no DataLoader, no per-sample Python: the whole split sits in memory
-(on the GPU when training on CUDA) and a batch is one index gather. Which indices a
-rank sees follows `torch.utils.data.DistributedSampler` exactly — a permutation
-seeded by seed + epoch, padded to a multiple of the world size, then
-every world_size-th index from `rank` — so results match the standard recipe.
+(on the GPU when training on CUDA) and a batch is one index gather.
 
-Resuming mid-epoch, possibly at another world size, the position is the number of samples of
-the epoch's permutation already trained on, over all ranks (always a prefix of it: step k of every
-rank ends at position k × batch × world). What remains is sharded over the new world by the same
-rule, as DistributedSampler would shard a dataset of just those samples, except that the padding
-continues round the epoch's permutation (its first samples), exactly as it does uninterrupted: so a
-resume at the same world size gives the very batches an uninterrupted run gives.
+Which samples a rank sees follows `torch.utils.data.DistributedSampler` exactly — a permutation
+seeded by seed + epoch, padded to a multiple of the world size, then every world_size-th index from
+`rank` (`shard_indices`). Training applies that rule not to the processes but to the run's
+*micro-batch slots*: a run's global batch is M micro-batches of B samples, M fixed at its first start
+(world × --accumulate) and kept in its checkpoint. Slot j's samples are what rank j of a world of M
+would take, so step s of an epoch is the same M × B samples at any world size (`StepBatches`):
+  - world W ≤ M: rank r trains slots r, r + W, r + 2W, … (DistributedSampler's rule once more, over the
+    slots), each as its own micro-batch; when W does not divide M, the first M mod W ranks take one more;
+  - world W > M: the step's samples, in slot order, are cut into W nearly equal micro-batches, one per rank,
+    so the global batch is kept (BatchNorm then normalises smaller batches).
+So `-g 1 --accumulate 4`, `-g 2 --accumulate 2` and `-g 4` see the same micro-batches, and a run resumed at
+another world continues the very same sequence of steps. Step s consumes a prefix of the epoch's
+permutation (positions 0 … (s+1)·M·B), so a position is one number whatever the world.
 """
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
 
 
-def shard_size(n: int, rank: int, world: int, *, pad: bool = True, start: int = 0) -> int:
+def shard_size(n: int, rank: int, world: int, *, pad: bool = True) -> int:
     """len(shard_indices(...)) by arithmetic, without drawing the permutation."""
-    return math.ceil((n - start) / world) if pad else len(range(start + rank, n, world))
+    return math.ceil(n / world) if pad else len(range(rank, n, world))
+
+
+def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's order of the n samples: DistributedSampler's permutation, seeded by seed + epoch."""
+    if not shuffle:
+        return torch.arange(n)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def padded(order: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`order` repeated from its beginning, as often as needed, to a multiple of `multiple` (DistributedSampler's
+    padding: every shard the same length)."""
+    total = math.ceil(len(order) / multiple) * multiple
+    return order.repeat(math.ceil(total / len(order)))[:total]
 
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int,
-                  pad: bool = True, start: int = 0) -> torch.Tensor:
+                  pad: bool = True) -> torch.Tensor:
     """This rank's sample indices for `epoch`, as DistributedSampler would give them.
 
-    `start`: the first `start` samples of the epoch's permutation were trained on already (a resume);
-    the rest are padded, by repeating the permutation from its beginning, to a multiple of `world`.
     `pad=False` is for evaluation: no sample is repeated or dropped, so shards may
     differ in length by one and the all-reduced totals count every sample once.
     """
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        indices = torch.randperm(n, generator=g)
-    else:
-        indices = torch.arange(n)
-    if not pad:
-        return indices[start + rank::world]
-    total = shard_size(n, rank, world, start=start) * world
-    if start + total > n:  # repeat from the start, as often as needed, to even out the shards
-        indices = indices.repeat(math.ceil((start + total) / n))
-    return indices[start : start + total][rank::world]
+    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
+    return (padded(order, world) if pad else order)[rank::world]
 
 
 class ShardedBatches:
-    """Iterate (images, labels) batches of one rank's shard, normalised on the device."""
+    """Iterate (images, labels) batches of one rank's shard, normalised on the device (evaluation's batches)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int, world: int,
                  device: torch.device, shuffle: bool, seed: int = 0, pad: bool = True, normalize: bool = True,
                  channels_last: bool = False) -> None:
-        self.images = images.to(device)  # resident on the GPU when training there: no per-batch copy
-        self.labels = labels.to(device)
+        self.data = DeviceData(images, labels, device, normalize, channels_last)
         self.batch_size, self.rank, self.world = batch_size, rank, world
-        self.device, self.shuffle, self.seed, self.pad = device, shuffle, seed, pad
-        self.normalize, self.channels_last = normalize, channels_last
-        self.epoch, self.start = 0, 0
+        self.shuffle, self.seed, self.pad = shuffle, seed, pad
+        self.epoch = 0
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out
-        the first `start` samples of its permutation, trained on before a resume."""
-        self.epoch, self.start = epoch, start
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for `epoch`."""
+        self.epoch = epoch
 
     def indices(self) -> torch.Tensor:
-        return shard_indices(len(self.labels), self.rank, self.world, shuffle=self.shuffle,
-                             seed=self.seed, epoch=self.epoch, pad=self.pad, start=self.start)
+        return shard_indices(len(self.data.labels), self.rank, self.world, shuffle=self.shuffle,
+                             seed=self.seed, epoch=self.epoch, pad=self.pad)
 
     def __len__(self) -> int:
-        return math.ceil(shard_size(len(self.labels), self.rank, self.world, pad=self.pad, start=self.start)
-                         / self.batch_size)
+        return math.ceil(shard_size(len(self.data.labels), self.rank, self.world, pad=self.pad) / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches of this epoch's shard (of what remains of it after `start`)."""
-        order = self.indices()
-        if self.device.type == "cuda":  # one small copy per epoch, queued without waiting for the GPU
-            order = order.pin_memory().to(self.device, non_blocking=True)
+        order = self.data.to_device(self.indices())
         for lo in range(0, len(order), self.batch_size):
-            idx = order[lo : lo + self.batch_size]
-            yield model_input(self.images[idx], self.normalize, self.channels_last), self.labels[idx]
+            yield self.data.batch(order[lo : lo + self.batch_size])
+
+
+@dataclass(frozen=True)
+class Share:
+    """How a world of `world` processes shares the run's `slots` (M) micro-batches of every step."""
+
+    slots: int  # M: the run's global batch is M micro-batches of --batch-size, fixed at its first start
+    world: int
+
+    @property
+    def parts(self) -> int:
+        """The micro-batches a step is cut into: the M slots, or one per process when there are more processes."""
+        return max(self.slots, self.world)
+
+    def mine(self, rank: int) -> range:
+        """The parts `rank` trains: every world-th from `rank`, DistributedSampler's rule applied to the parts."""
+        return range(rank, self.parts, self.world)
+
+    def describe(self, batch: int) -> str:
+        """How the step's work is shared, in words (empty when every process trains one whole slot)."""
+        m, w = self.slots, self.world
+        if w > m:
+            size = m * batch / w
+            return (f"its {m * batch} samples cut into {w} micro-batches of ~{size:.3g}, one per process "
+                    f"(BatchNorm normalises ~{size:.3g} samples at a time, not {batch})")
+        if m == w:
+            return ""
+        if m % w == 0:
+            who = "one process accumulates" if w == 1 else f"each of the {w} processes accumulates"
+            return f"{who} {m // w} micro-batches of {batch}"
+        more = m % w
+        ranks = "rank 0" if more == 1 else f"ranks 0-{more - 1}"
+        return (f"{w} processes share {m} micro-batches of {batch} unevenly: {ranks} take {m // w + 1}, "
+                f"the others {m // w}")
+
+
+class DeviceData:
+    """A split resident on the device (on the GPU when training there: no per-batch copy), and the one way
+    a batch of it is made: an index gather, then `model_input`."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, device: torch.device, normalize: bool,
+                 channels_last: bool) -> None:
+        self.images, self.labels = images.to(device), labels.to(device)
+        self.device, self.normalize, self.channels_last = device, normalize, channels_last
+
+    def to_device(self, indices: torch.Tensor) -> torch.Tensor:
+        """An epoch's indices where the data is: one small copy per epoch, queued without waiting for the GPU."""
+        return indices.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else indices
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return model_input(self.images[idx], self.normalize, self.channels_last), self.labels[idx]
+
+
+@dataclass
+class MicroBatch:
+    part: int  # which part of the step's global batch (BatchNorm keeps running statistics per part)
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Step:
+    """One optimizer step, seen from one rank: its micro-batches, and how many samples the whole step has."""
+
+    micro_batches: list[MicroBatch]
+    samples: int  # over all ranks: the divisor that makes the step's gradient the global batch's mean
+
+
+class StepBatches:
+    """The optimizer steps of an epoch for one rank, each its micro-batches of the run's global batch."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, share: Share, *, rank: int,
+                 device: torch.device, seed: int, normalize: bool = True, channels_last: bool = False) -> None:
+        self.data = DeviceData(images, labels, device, normalize, channels_last)
+        self.batch_size, self.share, self.rank, self.seed = batch_size, share, rank, seed
+        self.epoch, self.first = 0, 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.share.slots * self.batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """ceil(slot length / batch): the same at any world size."""
+        return math.ceil(shard_size(len(self.data.labels), 0, self.share.slots) / self.batch_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out the
+        first `start` samples of its permutation, trained on before a resume (a whole number of steps)."""
+        self.epoch, self.first = epoch, start // self.global_batch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self.first
+
+    def __iter__(self) -> Iterator[Step]:
+        order = epoch_order(len(self.data.labels), shuffle=True, seed=self.seed, epoch=self.epoch)
+        slots = self.data.to_device(padded(order, self.share.slots).view(-1, self.share.slots))  # column j: slot j
+        mine = self.share.mine(self.rank)
+        for s in range(self.first, self.steps_per_epoch):
+            rows = slots[s * self.batch_size : (s + 1) * self.batch_size]
+            parts = rows.T.reshape(-1).tensor_split(self.share.parts)  # in slot order; W ≤ M: the slots themselves
+            yield Step([MicroBatch(j, *self.data.batch(parts[j])) for j in mine], rows.numel())
 
 
 def model_input(raw: torch.Tensor, normalize: bool, channels_last: bool = False) -> torch.Tensor:

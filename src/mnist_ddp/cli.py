@@ -92,7 +92,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--lr", type=float, help="peak learning rate; not scaled with the world size (see README)")
     g.add_argument("--momentum", type=float, help="SGD momentum, or AdamW's beta1")
     g.add_argument("--weight-decay", type=float)
-    g.add_argument("--batch-size", type=int, help="per process; the global batch is this times the world size")
+    g.add_argument("--batch-size", type=int,
+                   help="per micro-batch; the global batch is this × world size × --accumulate (see README)")
     g.add_argument("--epochs", type=int)
     g.add_argument("--scheduler", choices=SCHEDULERS, help="per-step learning-rate schedule")
     g.add_argument("--label-smoothing", type=float)
@@ -100,6 +101,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="normalise pixels with MNIST's mean and std")
     g.add_argument("--seed", type=int, default=default(TrainConfig, "seed"),
                    help="initial weights and the per-epoch shuffles")
+    g.add_argument("--accumulate", type=int, default=default(TrainConfig, "accumulate"), metavar="K",
+                   help="micro-batches per process per optimizer step (gradients all-reduced once per step); fixes "
+                   "the run's global batch at its first start, which resumes at any world size keep")
     g.add_argument("--eval-batch-size", type=int, default=default(TrainConfig, "eval_batch_size"))
     g = p.add_argument_group("compute")
     g.add_argument("--amp", choices=AMP,
@@ -190,8 +194,8 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
         master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout,
         recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
-        eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn,
-        deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
+        accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
+        sync_bn=a.sync_bn, deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
         target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,
         log_every=a.log_every, **_given(out=a.out))
 

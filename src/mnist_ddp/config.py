@@ -66,7 +66,7 @@ class Recipe:
     lr: float  # peak learning rate; not scaled with the world size (README)
     momentum: float  # SGD momentum, or AdamW's beta1
     weight_decay: float
-    batch_size: int  # per process; the global batch is batch_size × world size
+    batch_size: int  # per micro-batch; the global batch is batch_size × world size × --accumulate (README)
     epochs: int
     scheduler: Scheduler  # per-step learning-rate schedule
     normalize: bool  # MNIST's mean and std; the tutorial fed pixels in [0, 1]
@@ -116,6 +116,9 @@ class TrainConfig:
     recipe_name: str = "default"
     recipe: Recipe = RECIPES["default"]
     seed: int = 0
+    # Micro-batches per process per optimizer step: at a run's first start the global batch becomes
+    # batch_size × world × accumulate, kept in the checkpoint and by every resume at any world size.
+    accumulate: int = 1
     eval_batch_size: int = 1000
     # Compute: None = the device's fastest (compute.py); an explicit value always wins.
     channels_last: bool | None = None
@@ -142,6 +145,7 @@ class TrainConfig:
                f"--master-port {self.master_port} is not a port number (0-65535).")
         _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
+        _check(self.accumulate >= 1, f"--accumulate must be at least 1 micro-batch per step, not {self.accumulate}.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.target_accuracy is None or 0 < self.target_accuracy <= 1,

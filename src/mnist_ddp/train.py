@@ -4,11 +4,14 @@ Every rank runs `run`; the launcher has already joined the process group (launch
 distributed.py) and leaves it afterwards. What makes the loop distributed, in the order
 `Trainer.run` meets it:
 - `wrap`: DDP around the model. It broadcasts rank 0's weights once, then all-reduces the
-  gradients during every backward, so every rank takes the same optimizer step;
-- `set_epoch`: every rank draws the same new shuffle and takes its own shard of it (batches.py);
+  gradients during backward, so every rank takes the same optimizer step;
+- `set_epoch`: every rank draws the same new shuffle; each step of it is the run's global batch
+  (M micro-batches, fixed at the first start), of which each rank takes its share (batches.py);
+- `steps.accumulate`: forward and backward of the rank's micro-batches, all but the last inside
+  `no_sync`, so the gradients are all-reduced once per step;
 - `_fold`: the ranks' loss sums and image counts, added up with one all-reduce;
-- `average_buffers`: BatchNorm's running statistics, averaged over the ranks before evaluating
-  and saving, so that every rank scores, and rank 0 saves, the same model;
+- `stats.average`: BatchNorm's running statistics, averaged over the ranks (and micro-batch parts)
+  before evaluating and saving, so that every rank scores, and rank 0 saves, the same model;
 - `evaluate`: each rank scores its shard of the test set; one all-reduce makes it exact (evaluation.py);
 - `d.is_main`: rank 0 alone writes checkpoints (here) and reports (report.py, whose methods do
   nothing on other ranks); `d.from_main` hands every rank what rank 0 read (the checkpoint);
@@ -25,23 +28,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpoint, compute, datasets, schedule
-from .batches import ShardedBatches
-from .compute import autocast
+from .batches import ShardedBatches, Share, StepBatches
 from .config import Recipe, TrainConfig
 from .distributed import Dist
 from .errors import UserError
 from .evaluation import EvalResult, evaluate
 from .model import ConvNet
 from .report import Reporter
+from .steps import PartStats, accumulate, running_stats
 
 # Settings that shape the run; resuming with any of them changed would not continue the same run.
-# The world size may change: the samples that remain are re-sharded over the new world (batches.py),
-# and the lr follows the samples seen, not the steps taken (schedule.py).
+# The world size may change: the run's global batch (M micro-batches of batch_size) is in the checkpoint,
+# and any world shares its micro-batches (batches.py), so the steps, and the lr at each, stay the same.
 RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
                      "scheduler", "normalize", "label_smoothing", "seed")
 
@@ -100,41 +102,28 @@ def build_optimizer(r: Recipe, model: nn.Module) -> tuple[torch.optim.Optimizer,
 
 # By default DDP re-sends rank 0's BatchNorm running statistics before every forward: one more collective
 # per step, as slow as the gradient all-reduce itself at this size (~10% of a step with gloo on 2 cores).
-# Each rank keeps its own statistics instead, and `average_buffers` makes them equal wherever they are
+# Each rank keeps its own statistics instead, and `PartStats.average` makes them equal wherever they are
 # used or saved. (torch 2.13 renamed the switch; `broadcast_buffers` is its older name.)
 _NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
 _NO_BUFFER_SYNC_PER_STEP = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
 
 
-def wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
-    """DDP around the model when there are several ranks; torch.compile on request."""
+def wrap(model: nn.Module, cfg: TrainConfig, d: Dist, accumulating: bool = False) -> nn.Module:
+    """DDP around the model when there are several ranks; torch.compile on request.
+
+    `accumulating`: some rank runs several micro-batches per step, under `no_sync`."""
     if d.world_size > 1:
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # DDP broadcasts rank 0's weights now, then all-reduces gradients in buckets during backward.
         # The model is tiny (29k parameters, 116 kB): one bucket, no copies (gradient_as_bucket_view),
-        # and the same graph every step (static_graph) lets DDP skip its per-step bookkeeping.
+        # and the same graph every step (static_graph) lets DDP skip its per-step bookkeeping. Not with
+        # no_sync: DDP asserts when the first backward is inside no_sync (pytorch#143580), and the proposed fix
+        # found that static_graph with no_sync stops all-reducing after the first step (pytorch#187732).
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=1, **_NO_BUFFER_SYNC_PER_STEP)
+                    gradient_as_bucket_view=True, static_graph=not accumulating, bucket_cap_mb=1,
+                    **_NO_BUFFER_SYNC_PER_STEP)
     return torch.compile(model) if cfg.compile else model
-
-
-def running_stats(model: nn.Module) -> list[torch.Tensor]:
-    """BatchNorm's running statistics (not num_batches_tracked: equal on every rank anyway)."""
-    return [b for b in model.buffers() if b.is_floating_point()]
-
-
-def average_buffers(model: nn.Module, d: Dist) -> None:
-    """Replace every rank's BatchNorm running statistics by their mean over the ranks (one all-reduce).
-
-    The mean of the ranks' estimates also uses every rank's data, not rank 0's alone.
-    """
-    stats = running_stats(model)
-    if d.world_size == 1 or not stats:
-        return
-    flat = d.all_sum(torch.cat([b.reshape(-1) for b in stats])).div_(d.world_size)
-    for b, mean in zip(stats, flat.split([b.numel() for b in stats])):
-        b.copy_(mean.view_as(b))
 
 
 class Trainer:
@@ -145,35 +134,46 @@ class Trainer:
         r = cfg.recipe
         self.amp = compute.amp_for(r.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
-        layout = {"rank": d.rank, "world": d.world_size, "device": d.device, "normalize": r.normalize,
-                  "channels_last": self.channels_last}
-        self.train_batches = ShardedBatches(data.train.images, data.train.labels, r.batch_size, shuffle=True,
-                                            seed=cfg.seed, **layout)
         self.test_batches = ShardedBatches(data.test.images, data.test.labels, cfg.eval_batch_size, shuffle=False,
-                                           pad=False, **layout)
+                                           pad=False, rank=d.rank, world=d.world_size, device=d.device,
+                                           normalize=r.normalize, channels_last=self.channels_last)
         self.model = ConvNet().to(d.device)  # the plain ConvNet: evaluated and saved
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.opt, self.schedule = build_optimizer(r, self.model)
+        # The run's global batch: M micro-batches of batch_size, M = world × --accumulate at the first start
+        # (a resume takes the checkpoint's M instead: `_resume`).
+        self._share(Share(slots=d.world_size * cfg.accumulate, world=d.world_size))
         self.scaler = guard(d.device, self.amp)
         self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
 
+    def _share(self, share: Share) -> None:
+        """Deal the run's micro-batches over this world: this rank's steps, and its BatchNorm statistics per part."""
+        r, d = self.cfg.recipe, self.d
+        self.train_batches = StepBatches(self.data.train.images, self.data.train.labels, r.batch_size, share,
+                                         rank=d.rank, device=d.device, seed=self.cfg.seed, normalize=r.normalize,
+                                         channels_last=self.channels_last)
+        self.stats = PartStats(self.model, share.mine(d.rank), share.parts, d)
+
     def run(self) -> EvalResult:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
         if self.cfg.resume:
             self._resume()
+        self.report.say(run_line(self))
         self.report.begin(self.samples_done)
         if self._reached(self.progress.best_accuracy):  # an epoch before the resume reached the target
             self.target_outcome = "already"
             return evaluate(self.model, self.test_batches, self.d, self.amp)
-        net = wrap(self.model, self.cfg, self.d)  # what trains; `self.model` is what is scored and saved
+        # What trains; `self.model` is what is scored and saved.
+        share = self.train_batches.share
+        net = wrap(self.model, self.cfg, self.d, accumulating=share.parts > share.world)
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.progress.seen, time.perf_counter()
-            # A new shuffle each epoch, the same on every rank; resumed mid-epoch, only what remains of it.
+            # A new shuffle each epoch, the same on every rank; resumed mid-epoch, only the steps that remain.
             self.train_batches.set_epoch(epoch, start=self.progress.consumed)
             seconds = self._train_epoch(net, epoch)
             result = evaluate(self.model, self.test_batches, self.d, self.amp)
@@ -194,64 +194,64 @@ class Trainer:
 
     def _train_epoch(self, net: nn.Module, epoch: int) -> float:
         """Train one epoch from `progress.consumed` on; returns the seconds it took."""
-        cfg, d, progress = self.cfg, self.d, self.progress
-        n, global_batch = len(self.data.train.labels), cfg.recipe.batch_size * d.world_size
-        steps, done = len(self.train_batches), progress.consumed // global_batch  # of this epoch, at this world
+        cfg, d, progress, batches = self.cfg, self.d, self.progress, self.train_batches
+        n, r = len(self.data.train.labels), cfg.recipe
         sync(d.device)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last fold
         seen_here = 0
-        desc = f"epoch {epoch + 1}/{cfg.recipe.epochs}"
-        for step, (x, y) in enumerate(self.report.bar(self.train_batches, done + steps, desc, initial=done), 1):
-            self.schedule(self.samples_done / (cfg.recipe.epochs * n))
-            with autocast(d.device, self.amp):
-                loss = F.cross_entropy(net(x), y, label_smoothing=cfg.recipe.label_smoothing)
+        desc = f"epoch {epoch + 1}/{r.epochs}"
+        for step in self.report.bar(batches, batches.steps_per_epoch, desc, initial=batches.first):
+            self.schedule(self.samples_done / (r.epochs * n))
             self.opt.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
+            step_loss = accumulate(net, step, self.stats, self.scaler, d.world_size, self.amp, r.label_smoothing)
             self.scaler.step(self.opt)
             self.scaler.update()
-            loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
-            seen_here += len(y)
-            progress.consumed = min(n, progress.consumed + global_batch)  # the padding is not a sample consumed
+            loss_sum += step_loss  # stays on the device: no sync per step
+            seen_here += sum(len(mb.y) for mb in step.micro_batches)
+            progress.consumed = min(n, progress.consumed + step.samples)  # the padding is not a sample consumed
             if cfg.tensorboard and self.steps_done % cfg.log_every == 0:
-                self._log_step(loss)
-            if step % self.check_every == 0:
+                self._log_step(step_loss, step.samples)
+            if self.steps_done % self.check_every == 0:
                 self._stop_if_diverged()
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < steps:
+            if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
                 seen_here = 0
-                average_buffers(self.model, d)
                 self._save(self.ckpt_path)
         self._fold(loss_sum, seen_here)
-        average_buffers(self.model, d)
         sync(d.device)
         return time.perf_counter() - start
 
     @property
+    def step_in_epoch(self) -> int:
+        """Optimizer steps of the current epoch done (what --checkpoint-every counts): the same at any world."""
+        return math.ceil(self.progress.consumed / self.train_batches.global_batch)
+
+    @property
     def steps_done(self) -> int:
-        """Optimizer steps of the run so far, counted at this world size (what --log-every counts)."""
-        global_batch, n = self.cfg.recipe.batch_size * self.d.world_size, len(self.data.train.labels)
-        return self.progress.epoch * math.ceil(n / global_batch) + math.ceil(self.progress.consumed / global_batch)
+        """Optimizer steps of the run so far (what --log-every counts)."""
+        return self.progress.epoch * self.train_batches.steps_per_epoch + self.step_in_epoch
 
     @property
     def samples_done(self) -> int:
-        """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis,
-        both of which must mean the same whatever the world size (a resume may change it)."""
+        """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis."""
         return self.progress.epoch * len(self.data.train.labels) + self.progress.consumed
 
-    def _log_step(self, loss: torch.Tensor) -> None:
-        """This step's loss averaged over the ranks (one small all-reduce: the global batch's loss, not
-        rank 0's shard's) and the lr, to TensorBoard."""
-        mean = float(self.d.all_sum(loss.detach().float().clone())) / self.d.world_size
+    def _log_step(self, loss_sum: torch.Tensor, samples: int) -> None:
+        """This step's loss, the mean over its whole global batch (one small all-reduce: not rank 0's share
+        alone), and the lr, to TensorBoard."""
+        mean = float(self.d.all_sum(loss_sum.clone())) / samples
         self.report.step(self.samples_done, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
-        """Add every rank's loss and image count since the last fold into `progress`; stop if the run diverged.
+        """Average BatchNorm's statistics, add every rank's loss and image count since the last fold into
+        `progress`; stop if the run diverged.
 
         Every save and evaluation comes after a fold, so none of them sees a diverged run. The same all-reduce
-        counts the ranks' non-finite BatchNorm statistics, which no optimizer step guards (the forward pass
-        updates them), so that every rank reaches the same verdict."""
+        counts non-finite BatchNorm statistics, which no optimizer step guards (the forward pass updates them),
+        so that every rank reaches the same verdict."""
+        self.stats.average()
         bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
         totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
                                              bad_stats]))
@@ -269,8 +269,7 @@ class Trainer:
         if finite and self.scaler.get_scale() >= 1:
             return
         lr, peak = self.opt.param_groups[0]["lr"], self.cfg.recipe.lr
-        step = math.ceil(self.progress.consumed / (self.cfg.recipe.batch_size * self.d.world_size))
-        raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {step} at lr "
+        raise Diverged(f"training diverged in epoch {self.progress.epoch + 1} by step {self.step_in_epoch} at lr "
                        f"{lr:.4g}: the loss, the gradients or BatchNorm's statistics are no longer finite. The "
                        f"checkpoints keep the last finite weights; start again with a smaller --lr (e.g. "
                        f"{peak / 10:.4g}) in a new --out.")
@@ -285,7 +284,8 @@ class Trainer:
             "test_correct": result.correct, "test_count": result.count,
             "train_samples": p.seen,  # over all ranks, the sampler's padding included
             "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": self.opt.param_groups[0]["lr"],
-            "world_size": self.d.world_size, "batch_size": r.batch_size, "dataset": self.data.name,
+            "world_size": self.d.world_size, "batch_size": r.batch_size,
+            "global_batch": self.train_batches.global_batch, "dataset": self.data.name,
         }, result.confusion, self.data.classes, self.samples_done)
 
     def _save(self, path: Path) -> None:
@@ -297,6 +297,7 @@ class Trainer:
                 "progress": vars(self.progress).copy(),
                 "rng": torch.get_rng_state(),
                 "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
+                "micro_batches": self.train_batches.share.slots,  # the run's global batch: M micro-batches
                 "run_id": self.d.run_id,  # a torchrun restart of this same job continues it without --resume
             })
 
@@ -327,11 +328,17 @@ class Trainer:
         self.report.keep_epochs_before(self.progress.epoch)  # a line of the epoch in progress was never saved
         self.report.say(f"resume: from {path}, epoch {self.progress.epoch + 1}, {self.progress.consumed:,} of its "
                         f"{n:,} samples done")
-        was, now, batch = saved.get("world_size", self.d.world_size), self.d.world_size, cfg.recipe.batch_size
-        if was != now:
-            self.report.say(f"resume: world size changed {was} → {now}, global batch {batch * was} → {batch * now}; "
-                            f"allowed: the per-process batch and lr are unchanged, the global batch follows the world "
-                            f"(README: Learning rate and world size), and the remaining samples are re-sharded")
+        # The run's global batch is the checkpoint's, whatever this world and --accumulate would make of a new run
+        # (checkpoints from before it was recorded: one micro-batch per process).
+        was, now = saved.get("world_size", self.d.world_size), self.d.world_size
+        share = Share(slots=ckpt.get("micro_batches", was), world=now)
+        self._share(share)  # after restore_model: every part's BatchNorm statistics start from the saved ones
+        if was != now or share.slots != now * cfg.accumulate:
+            batch = cfg.recipe.batch_size
+            how = share.describe(batch)
+            self.report.say(f"resume: world size {was} → {now}; the run's global batch stays {share.slots * batch} "
+                            f"({share.slots} micro-batches of {batch}), and so do its steps and the lr at each"
+                            + (f": {how}" if how else ""))
 
 
 def run(cfg: TrainConfig, d: Dist) -> float:
@@ -344,16 +351,21 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
     trainer = Trainer(cfg, d, data, report)
-    r = cfg.recipe
-    report.say(f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
-               f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process, "
-               f"batch {r.batch_size} per process ({r.batch_size * d.world_size} global), "
-               f"{r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {trainer.amp}, "
-               f"channels_last {trainer.channels_last}")
     result = trainer.run()
     report.close()
     report.say(final_line(cfg, trainer, result))
     return result.accuracy
+
+
+def run_line(trainer: Trainer) -> str:
+    """What is about to run: the software, the world, and the run's global batch and how this world shares it."""
+    r, d, batches = trainer.cfg.recipe, trainer.d, trainer.train_batches
+    share = batches.share.describe(r.batch_size)
+    return (f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
+            f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process, "
+            f"global batch {batches.global_batch} ({batches.share.slots} micro-batches of {r.batch_size}"
+            f"{'; ' + share if share else ''}), {r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {trainer.amp}, "
+            f"channels_last {trainer.channels_last}")
 
 
 def final_line(cfg: TrainConfig, trainer: Trainer, result: EvalResult) -> str:
