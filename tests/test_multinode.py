@@ -178,12 +178,14 @@ def test_torchrun_loses_a_node_and_continues_alone(machines: Machines, tmp_path:
         rc, log = finish(nodes[0], tmp_path / "node0.log", RUN_TIMEOUT)
     assert rc == 0, log
     assert "restart: torchrun restarted job elastic-job" in log, log
-    assert "world size changed 4 → 2, global batch 400 → 200" in log, log
+    assert ("world size 4 → 2; the run's global batch stays 400 (4 micro-batches of 100), and so do its steps and "
+            "the lr at each: each of the 2 processes accumulates 2 micro-batches of 100") in log, log
     consumed = int(log.split("resume: from ")[1].split("epoch 2, ")[1].split()[0].replace(",", ""))
     assert 0 < consumed < samples
     history = metrics(out)
     assert [m["epoch"] for m in history] == [1, 2, 3], history  # complete, none twice
     assert [m["world_size"] for m in history] == [4, 2, 2]
-    assert history[1]["train_samples"] == samples + -(samples - consumed) % 2  # the new world's padding only
+    assert [m["train_samples"] for m in history] == [samples] * 3  # every epoch the run's steps: no new padding
+    assert [m["global_batch"] for m in history] == [400] * 3
     final = checkpoint.load(out / "checkpoint.pt")
     assert final["progress"]["epoch"] == 3 and final["config"]["world_size"] == 2

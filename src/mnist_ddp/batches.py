@@ -116,8 +116,8 @@ class Share:
             who = "one process accumulates" if w == 1 else f"each of the {w} processes accumulates"
             return f"{who} {m // w} micro-batches of {batch}"
         more = m % w
-        ranks = "rank 0" if more == 1 else f"ranks 0-{more - 1}"
-        return (f"{w} processes share {m} micro-batches of {batch} unevenly: {ranks} take {m // w + 1}, "
+        ranks = "rank 0 takes" if more == 1 else f"ranks 0-{more - 1} take"
+        return (f"{w} processes share {m} micro-batches of {batch} unevenly: {ranks} {m // w + 1}, "
                 f"the others {m // w}")
 
 
