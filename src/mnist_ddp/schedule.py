@@ -1,8 +1,8 @@
 """The learning-rate schedule as a function of how far the run is: the fraction of its training samples seen.
 
-Not of optimizer steps: a run resumed at another world size takes a different number of steps for the
-samples that remain (the global batch follows the world), yet its schedule must end where it should.
-So the schedule has no state of its own; the checkpoint's progress (epoch, samples consumed) is its state.
+Not of optimizer steps: a run's steps are fixed by its global batch (batches.py), but the fraction needs no
+state of its own and no count of steps: the checkpoint's progress (epoch, samples consumed) is its state,
+and the lr at every step is the same at any world size and across a resume.
 
 "onecycle" is torch's OneCycleLR with its defaults, drawn over the fraction instead of the step count:
 a quarter of the run warms up from lr/25 to lr along a half cosine, the rest anneals to lr/25/1e4. Like

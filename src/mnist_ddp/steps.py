@@ -2,7 +2,7 @@
 
 A step's global batch is cut into parts (batches.py: the run's M micro-batch slots, dealt over the
 world). A rank that trains several parts accumulates their gradients in `.grad`: every backward but
-the last runs inside DDP's `no_sync()`, which skips the all-reduce, so the last backward all-reduces
+the last runs inside DDP's `no_sync`, which skips the all-reduce, so the last backward all-reduces
 the sum once — K micro-batches per step cost one all-reduce, not K.
 
 The weighting makes the step's gradient the mean over every sample of the global batch, however the

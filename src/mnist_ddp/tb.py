@@ -1,8 +1,8 @@
 """TensorBoard event files under `<out>/tb/` (`--tensorboard`), written by rank 0's Reporter.
 
 The x-axis is the number of training samples of the run so far (over all ranks), for the per-step
-train loss as for the per-epoch metrics, so that every curve lines up, and it means the same when a
-resume changes the world size (optimizer steps would not: the global batch follows the world).
+train loss as for the per-epoch metrics, so that every curve lines up, and it means the same at any world
+size, and across runs of different global batches (optimizer steps would not).
 `tensorboard` is imported only here, and only when the writer opens: runs without --tensorboard never
 pay its import (~0.25 s).
 """
