@@ -17,6 +17,7 @@ BAD_TRAIN = [
     (["--lr", "0"], "--lr must be positive"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--eval-batch-size", "0"], "--eval-batch-size"),
+    (["--accumulate", "0"], "--accumulate must be at least 1 micro-batch per step"),
     (["--momentum", "1.5"], "--momentum"),
     (["--weight-decay", "-0.1"], "--weight-decay"),
     (["--label-smoothing", "1"], "--label-smoothing"),
