@@ -3,6 +3,7 @@ are, and what --accumulate does to images/s. Prints; asserts nothing.
 
     python benchmarks/one_run.py            # ~5 min on 2 loaded cores
     python benchmarks/one_run.py --quick    # distances only for 15 steps, one speed round
+    python benchmarks/one_run.py --only speed
 
 Distances: fp32 SGD (constant lr, no momentum), synthetic data, a global batch of 4 micro-batches of 25, one
 thread per process (the thread count changes the kernels' summation order too). The same run as `-g 1
@@ -107,11 +108,13 @@ def speed(tmp: Path, rounds: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="15 steps only, one speed round")
+    p.add_argument("--only", choices=("distances", "speed"), help="measure only this")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for steps in (15,) if a.quick else (15, 30):
+        for steps in () if a.only == "speed" else (15,) if a.quick else (15, 30):
             distances(Path(tmp), steps)
-        speed(Path(tmp), 1 if a.quick else 3)
+        if a.only != "distances":
+            speed(Path(tmp), 1 if a.quick else 3)
 
 
 if __name__ == "__main__":
