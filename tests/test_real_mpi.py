@@ -2,6 +2,7 @@
 SLURM allocation. No mpi4py: MPI only starts the processes; they read their rank from the launcher's variables
 and meet at rank 0's store as under any other launcher."""
 
+import re
 import socket
 import sys
 import time
@@ -11,7 +12,17 @@ from pathlib import Path
 import pytest
 
 from conftest import metrics, tiny
-from launchers import OPEN_MPI_LOOPBACK, OPEN_MPI_ROOT, SLURM_TOOLS, Cluster, Node, need, need_root, slurm_cluster
+from launchers import (
+    OPEN_MPI_LOOPBACK,
+    OPEN_MPI_ROOT,
+    SLURM_TOOLS,
+    Cluster,
+    Node,
+    machines,
+    need,
+    need_root,
+    slurm_cluster,
+)
 from procfs import finish, marked_env, reaped, start
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the MPI launchers are tested on Linux")
@@ -81,3 +92,34 @@ def test_mpi_launcher_inside_an_sbatch_allocation_slurm(launcher: str, cluster: 
     log = (tmp_path / "job.log").read_text()
     assert (state, code) == ("COMPLETED", "0:0"), log + cluster.logs()
     _check_world_of_two(log, out)
+
+
+def test_open_mpi_across_two_machines_needs_master_addr_mpi(tmp_path: Path) -> None:
+    """`mpirun -np 2` in a two-node allocation (Open MPI starts its daemon on the second node through srun),
+    one rank per network namespace. Without MASTER_ADDR every rank says so and exits 2 (mpirun is told not to
+    stop the others on the first failure, so that each can be seen); with `-x MASTER_ADDR=node1`, one world."""
+    need("mpirun", *SLURM_TOOLS)
+    subnet = "10.78.0.0/24"  # Open MPI's own wire-up between the nodes, over the namespaces' cable
+    mpirun = ["mpirun", "-np", "2", "--mca", "orte_abort_on_non_zero_status", "0",
+              "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet]
+    each = 'sh -c \'"$@"; echo "rank $OMPI_COMM_WORLD_RANK exit $?"\' x'
+    env, mark = marked_env(OPEN_MPI_ROOT)
+    with machines(2) as nodes, slurm_cluster(tmp_path / "slurm", nodes) as two, reaped(mark):
+        for case, extra in {"alone": [], "told": ["-x", "MASTER_ADDR=node1"]}.items():
+            script = tmp_path / f"{case}.sh"
+            script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2\n"
+                              f"{' '.join(mpirun + extra)} {each} {' '.join(TRAIN)} --out {tmp_path / case}\n"
+                              f"echo mpirun exit $?\n")
+            began = time.monotonic()
+            state, _ = two.finished(two.submit(script, tmp_path / f"{case}.log", env, tmp_path), HANG)
+            print(f"open-mpi across two machines, {case}: {time.monotonic() - began:.1f} s", end=" ")
+            print(re.findall(r"mpirun exit \d+", (tmp_path / f"{case}.log").read_text()))
+            log = (tmp_path / f"{case}.log").read_text()
+            assert state == "COMPLETED", log + two.logs()
+            if case == "alone":
+                assert sorted(re.findall(r"rank (\d) exit (\d+)", log)) == [("0", "2"), ("1", "2")], log
+                assert log.count("mnist-ddp: error: Open MPI started 2 processes on several nodes (1 on this one) "
+                                 "and does not say where rank 0 runs") == 2, log
+            else:
+                assert sorted(re.findall(r"rank (\d) exit (\d+)", log)) == [("0", "0"), ("1", "0")], log
+                _check_world_of_two(log, tmp_path / case)
