@@ -8,6 +8,7 @@ namespace with its own address, host name and /etc/hosts (`nsenter --net` into t
 """
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -150,12 +151,26 @@ class Cluster:
                 p.wait()
 
 
+def _first_job_id() -> int:
+    """A first job id whose port (`20000 + id % 20000`, as the tasks derive it) and the next few are free and
+    below Linux's ephemeral ports (32768 on), which the busy machine's outgoing connections take at random."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(21000, 32000)
+        try:
+            for p in range(port, port + 20):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port - 20000
+
+
 def _slurm_conf(folder: Path, nodes: tuple[Node, ...], control: Node, ports: list[int]) -> str:
-    """slurmctld on `control`; no cgroups, no accounting, no systemd: what runs in any container as root.
-    Job ids start where `20000 + id % 20000`, the port the tasks derive from them, is free right now."""
+    """slurmctld on `control`; no cgroups, no accounting, no systemd: what runs in any container as root."""
     cpus = os.cpu_count() or 1
     lines = [
-        "ClusterName=mnistddp", f"FirstJobId={ports[2] - 20000 if ports[2] >= 20000 else ports[2] + 20000}",
+        "ClusterName=mnistddp", f"FirstJobId={_first_job_id()}",
         f"SlurmctldHost={control.name}({control.addr})",
         "SlurmUser=root", "SlurmdUser=root",
         f"SlurmctldPort={ports[0]}", f"SlurmdPort={ports[1]}",
@@ -222,7 +237,7 @@ def slurm_cluster(folder: Path, nodes: tuple[Node, ...]) -> Iterator[Cluster]:
     key = folder / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    ports = free_ports(3)
+    ports = free_ports(2)
     conf = folder / "slurm.conf"
     conf.write_text(_slurm_conf(folder, nodes, nodes[0], ports))
     hosts = "127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in nodes)
