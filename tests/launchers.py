@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from netns import netns_pair
+
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "sinfo", "munged")
 OPEN_MPI_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # it refuses root otherwise
 # Open MPI over loopback only: its own wire-up would otherwise try every interface of the machine.
@@ -191,41 +193,21 @@ def _slurm_conf(folder: Path, nodes: tuple[Node, ...], control: Node, ports: lis
     return "\n".join(line for line in lines if line) + "\n"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+@contextmanager
+def machines(subnet: str = "10.78.0") -> Iterator[tuple[Node, ...]]:
+    """Two SLURM nodes on two "machines" (netns.py): addresses `subnet`.1 and .2, host names node1, node2."""
+    need("nsenter", "unshare")
+    with netns_pair(f"mpi{os.getpid()}", (f"{subnet}.1", f"{subnet}.2")) as names:
+        yield tuple(Node(f"node{i + 1}", f"{subnet}.{i + 1}", name) for i, name in enumerate(names))
 
 
 @contextmanager
-def machines(count: int, subnet: str = "10.78.0") -> Iterator[tuple[Node, ...]]:
-    """`count` "machines": network namespaces on one bridge-less veth chain (two: one cable), addresses
-    `subnet`.1, .2 …, host names node1, node2 …; always deleted afterwards."""
-    need("ip", "nsenter", "unshare")
+def local_cluster(folder: Path) -> Iterator[Cluster]:
+    """SLURM on this machine alone: the node is named after it, so that its name resolves here."""
+    need(*SLURM_TOOLS)
     need_root()
-    if count != 2:
-        raise ValueError("two machines, joined by one veth pair")
-    tag = f"mpi{os.getpid()}"
-    names, links = (f"{tag}-0", f"{tag}-1"), (f"{tag}a", f"{tag}b")
-    made: list[str] = []
-    try:
-        for name in names:
-            _ip("netns", "add", name)
-            made.append(name)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for i, (name, link) in enumerate(zip(names, links)):
-            _ip("link", "set", link, "netns", name)
-            _ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", link)
-            _ip("-n", name, "link", "set", "lo", "up")
-            _ip("-n", name, "link", "set", link, "up")
-    except subprocess.CalledProcessError as e:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", links[0]], capture_output=True)
-        pytest.skip(f"cannot build network namespaces here: {e.stderr.strip()}")
-    try:
-        yield tuple(Node(f"node{i + 1}", f"{subnet}.{i + 1}", name) for i, name in enumerate(names))
-    finally:  # deleting a namespace deletes the veth end inside it, and with it the pair
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with slurm_cluster(folder, (Node(socket.gethostname(), "127.0.0.1"),)) as c:
+        yield c
 
 
 @contextmanager

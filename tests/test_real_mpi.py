@@ -3,7 +3,6 @@ SLURM allocation. No mpi4py: MPI only starts the processes; they read their rank
 and meet at rank 0's store as under any other launcher."""
 
 import re
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -17,10 +16,9 @@ from launchers import (
     OPEN_MPI_ROOT,
     SLURM_TOOLS,
     Cluster,
-    Node,
+    local_cluster,
     machines,
     need,
-    need_root,
     slurm_cluster,
 )
 from procfs import finish, marked_env, reaped, start
@@ -69,9 +67,7 @@ def test_mpi_launcher_starts_one_world_of_two(launcher: str, wrapped: bool, tmp_
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    need(*SLURM_TOOLS)
-    need_root()
-    with slurm_cluster(tmp_path_factory.mktemp("slurm"), (Node(socket.gethostname(), "127.0.0.1"),)) as c:
+    with local_cluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
 
 
@@ -104,7 +100,7 @@ def test_open_mpi_across_two_machines_needs_master_addr_mpi(tmp_path: Path) -> N
               "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet]
     each = 'sh -c \'"$@"; echo "rank $OMPI_COMM_WORLD_RANK exit $?"\' x'
     env, mark = marked_env(OPEN_MPI_ROOT)
-    with machines(2) as nodes, slurm_cluster(tmp_path / "slurm", nodes) as two, reaped(mark):
+    with machines() as nodes, slurm_cluster(tmp_path / "slurm", nodes) as two, reaped(mark):
         for case, extra in {"alone": [], "told": ["-x", "MASTER_ADDR=node1"]}.items():
             script = tmp_path / f"{case}.sh"
             script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks=2\n"

@@ -6,7 +6,6 @@ The tasks find their rank, world and master from SLURM's own variables: nothing 
 """
 
 import re
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, metrics, progress, tiny
-from launchers import SLURM_TOOLS, Cluster, Node, machines, need, need_root, slurm_cluster
+from launchers import SLURM_TOOLS, Cluster, local_cluster, machines, need, slurm_cluster
 from procfs import marked_env, reaped, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SLURM's daemons run on Linux")
@@ -27,10 +26,7 @@ LONG = [*tiny(2000, 100, epochs=50), "--checkpoint-every", "2", "--batch-size", 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """SLURM on this machine alone: the node is named after it, so its name resolves here."""
-    need(*SLURM_TOOLS)
-    need_root()
-    with slurm_cluster(tmp_path_factory.mktemp("slurm"), (Node(socket.gethostname(), "127.0.0.1"),)) as c:
+    with local_cluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
 
 
@@ -173,7 +169,7 @@ def test_srun_across_two_machines_slurm(tmp_path: Path) -> None:
     `srun -N 2 -n 2` puts one task on each, and they meet at the first node of the step's node list."""
     need(*SLURM_TOOLS)
     env, mark = _env()
-    with machines(2) as nodes, slurm_cluster(tmp_path / "slurm", nodes) as two:
+    with machines() as nodes, slurm_cluster(tmp_path / "slurm", nodes) as two:
         began = time.monotonic()
         with reaped(mark):
             r = two.run("srun", "-N", "2", "-n", "2", *TRAIN, *tiny(600, 100), "--out", str(tmp_path / "o"), env=env,
