@@ -21,7 +21,7 @@ from procfs import marked_env, reaped, wait_for
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SLURM's daemons run on Linux")
 TRAIN = [sys.executable, "-m", "mnist_ddp", "train"]
 HANG = 240  # seconds: a hang detector on a shared machine, not a timing assertion
-LONG = [*tiny(2000, 100, epochs=50), "--checkpoint-every", "2", "--batch-size", "50"]  # stopped long before its end
+LONG = [*tiny(1200, 100, epochs=50), "--checkpoint-every", "2", "--batch-size", "50"]  # stopped long before its end
 
 
 @pytest.fixture(scope="module")
