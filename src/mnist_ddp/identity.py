@@ -22,7 +22,7 @@ from .errors import UserError
 #   "none"   one process alone: no store, no process group;
 #   "parent" node 0's spawning parent (our -n/-g/-nr launcher), before it starts its children;
 #   "agent"  torchrun's agent, which keeps one store across restarts (`attempt` counts them);
-#   "rank0"  rank 0 itself, at MASTER_ADDR:MASTER_PORT (srun, or a hand-made RANK/WORLD_SIZE launch).
+#   "rank0"  rank 0 itself, at MASTER_ADDR:MASTER_PORT (srun, mpirun, or a hand-made RANK/WORLD_SIZE launch).
 StoreHost = Literal["none", "parent", "agent", "rank0"]
 
 # The environment variables through which a launcher hands a process its place. A child we start
