@@ -203,10 +203,11 @@ def machines(subnet: str = "10.78.0") -> Iterator[tuple[Node, ...]]:
 
 @contextmanager
 def local_cluster(folder: Path) -> Iterator[Cluster]:
-    """SLURM on this machine alone: the node is named after it, so that its name resolves here."""
+    """SLURM on this machine alone: the node has its short host name, which slurmctld compares with
+    SlurmctldHost and which resolves here."""
     need(*SLURM_TOOLS)
     need_root()
-    with slurm_cluster(folder, (Node(socket.gethostname(), "127.0.0.1"),)) as c:
+    with slurm_cluster(folder, (Node(socket.gethostname().split(".")[0], "127.0.0.1"),)) as c:
         yield c
 
 
