@@ -153,14 +153,14 @@ class Cluster:
                 p.wait()
 
 
-def _first_job_id() -> int:
-    """A first job id whose port (`20000 + id % 20000`, as the tasks derive it) and the next few are free and
-    below Linux's ephemeral ports (32768 on), which the busy machine's outgoing connections take at random."""
+def quiet_job_id(count: int = 20) -> int:
+    """A job id whose port (`20000 + id % 10000`, as the tasks derive it) and the next `count - 1` ids' ports
+    are free right now (other test runs on this machine may be using some)."""
     rng = random.Random()
     while True:
-        port = rng.randrange(21000, 32000)
+        port = rng.randrange(20000, 30000 - count)
         try:
-            for p in range(port, port + 20):
+            for p in range(port, port + count):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
@@ -172,7 +172,7 @@ def _slurm_conf(folder: Path, nodes: tuple[Node, ...], control: Node, ports: lis
     """slurmctld on `control`; no cgroups, no accounting, no systemd: what runs in any container as root."""
     cpus = os.cpu_count() or 1
     lines = [
-        "ClusterName=mnistddp", f"FirstJobId={_first_job_id()}",
+        "ClusterName=mnistddp", f"FirstJobId={quiet_job_id()}",
         f"SlurmctldHost={control.name}({control.addr})",
         "SlurmUser=root", "SlurmdUser=root",
         f"SlurmctldPort={ports[0]}", f"SlurmdPort={ports[1]}",

@@ -153,9 +153,9 @@ def _from_slurm(env: Mapping[str, str]) -> Identity:
 
 
 def job_port(job: int) -> int:
-    """The rendezvous port of job number `job`: the same on every node of the job, and unlikely to be a
-    neighbour job's."""
-    return 20000 + job % 20000
+    """The rendezvous port of job number `job`: the same on every node of the job, unlikely to be a neighbour
+    job's, and below Linux's ephemeral ports (32768 on), where a busy node's outgoing connections may hold it."""
+    return 20000 + job % 10000
 
 
 def launcher_pid(rank_var: str) -> int | None:
