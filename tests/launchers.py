@@ -115,7 +115,7 @@ class Cluster:
         return found
 
     def _daemon(self, cmd: list[str], name: str, node: Node | None = None) -> None:
-        log = open(self.folder / f"{name}.out", "wb")  # noqa: SIM115 - the daemon writes to it until stopped
+        log = open(self.folder / f"{name}.out", "wb")  # noqa: SIM115 - closed here once the daemon holds its copy
         prefix = node.prefix(self.folder) if node else []
         self.daemons.append(subprocess.Popen([*prefix, *cmd], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True))
