@@ -7,9 +7,7 @@ gloo; the final weights must equal those of a one-machine `-n 1 -g 4` run with t
 """
 
 import os
-import shutil
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ import torch
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
+from netns import netns_pair
 from procfs import children, finish, marked_env, reaped, start, wait_for
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
@@ -37,40 +36,11 @@ class Machines:
         return ["ip", "netns", "exec", self.names[node]]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def machines() -> Iterator[Machines]:
     """Two namespaces, one veth pair between them, made for this module and always deleted."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` tool (iproute2) is needed to simulate machines with network namespaces")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root (run the suite as root, e.g. in a container)")
-    tag = uuid.uuid4().hex[:6]
-    names, links = (f"mddp-{tag}-0", f"mddp-{tag}-1"), (f"mddp{tag}a", f"mddp{tag}b")
-    made: list[str] = []
-    try:
-        for name in names:
-            _ip("netns", "add", name)
-            made.append(name)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for name, link, addr in zip(names, links, ADDRS):
-            _ip("link", "set", link, "netns", name)
-            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
-            _ip("-n", name, "link", "set", "lo", "up")
-            _ip("-n", name, "link", "set", link, "up")
-    except subprocess.CalledProcessError as e:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", links[0]], capture_output=True)
-        pytest.skip(f"cannot build network namespaces here: {e.stderr.strip()}")
-    try:
+    with netns_pair(f"mddp-{uuid.uuid4().hex[:6]}", ADDRS) as names:
         yield Machines(names)
-    finally:  # deleting a namespace also deletes the veth end inside it, and with it the pair
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 class Background:

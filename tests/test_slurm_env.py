@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import metrics, tiny
+from launchers import quiet_job_id
 from mnist_ddp.distributed import pick_device
 from mnist_ddp.errors import UserError
 from mnist_ddp.identity import first_host, tasks_on_node
 from mnist_ddp.identity import from_env as identity_from_env
-from procfs import finish, free_port, marked_env, reaped, start
+from procfs import finish, marked_env, reaped, start
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
          "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_NODELIST": "node[01-04,07]", "SLURM_JOB_ID": "123456"}
@@ -49,7 +50,7 @@ def test_slurm_identity() -> None:
     assert ident is not None
     assert (ident.rank, ident.local_rank, ident.world_size, ident.local_world_size) == (5, 1, 8, 2)
     assert (ident.launcher, ident.store_host, ident.master_addr) == ("SLURM", "rank0", "node01")
-    assert ident.master_port == 20000 + 123456 % 20000  # the same number on every node of the job
+    assert ident.master_port == 20000 + 123456 % 10000  # the same number on every node of the job
 
 
 def test_slurm_master_from_environment_wins() -> None:
@@ -121,8 +122,7 @@ def test_more_tasks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 def test_two_processes_started_like_srun_train_together(tmp_path: Path) -> None:
     """What `srun --ntasks 2 mnist-ddp train …` does on one node; the port comes from SLURM_JOB_ID."""
-    port = free_port()
-    job_id = port - 20000 if port >= 20000 else port + 20000  # so that 20000 + id % 20000 == port
+    job_id = quiet_job_id()  # 20000 + id % 10000 is a free port
     out = tmp_path / "run"
     args = ["mnist_ddp", "train", *tiny(600, 100), "--timeout", "60", "--out", str(out)]
     tasks = {"SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2", "SLURM_NODELIST": "localhost",

@@ -69,10 +69,10 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the ConvNet (one process, spawned processes, torchrun or srun)",
+    p = sub.add_parser("train", help="train the ConvNet (one process, spawned processes, torchrun, mpirun or srun)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _data_args(p, "mnist")
-    g = p.add_argument_group("launch (the tutorial's flags; leave them out under torchrun or srun)")
+    g = p.add_argument_group("launch (the tutorial's flags; leave them out under torchrun, mpirun or srun)")
     g.add_argument("-n", "--nodes", type=int, default=1, help="number of nodes (machines)")
     g.add_argument("-g", "--gpus", type=int, default=1,
                    help="processes on this node: one per GPU, or CPU worker processes without GPUs")

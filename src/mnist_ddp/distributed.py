@@ -117,6 +117,7 @@ def _join(ident: Identity, backend: str, timeout: timedelta) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
         store = rendezvous.joined_store(ident, timeout)
+        rendezvous.meet(store, ident, timeout)
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
         others = ident.world_size - 1

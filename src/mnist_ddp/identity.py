@@ -1,14 +1,19 @@
 """Who am I in the job: rank, world size, and where the others are to be met.
 
-A process learns its place from one of three launchers — our own spawn (the tutorial's
--n/-g/-nr, built in `launch.py`), torchrun (RANK/LOCAL_RANK/WORLD_SIZE…) or SLURM's srun
-(SLURM_PROCID/SLURM_NTASKS…) — and every one of them ends in the same `Identity`. Plain
-Python, no torch: this only reads numbers and checks that they describe a real seat.
+A process learns its place from one of four launchers — our own spawn (the tutorial's
+-n/-g/-nr, built in `launch.py`), torchrun (RANK/LOCAL_RANK/WORLD_SIZE…), an MPI launcher's
+`mpirun`/`mpiexec` (OMPI_COMM_WORLD_RANK, PMI_RANK…) or SLURM's srun (SLURM_PROCID/SLURM_NTASKS…)
+— and every one of them ends in the same `Identity`. MPI only starts the processes: they still
+meet at a rendezvous store and talk gloo/nccl. Plain Python, no torch: this only reads numbers
+and checks that they describe a real seat.
 """
 
+import os
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from .errors import UserError
@@ -17,13 +22,39 @@ from .errors import UserError
 #   "none"   one process alone: no store, no process group;
 #   "parent" node 0's spawning parent (our -n/-g/-nr launcher), before it starts its children;
 #   "agent"  torchrun's agent, which keeps one store across restarts (`attempt` counts them);
-#   "rank0"  rank 0 itself, at MASTER_ADDR:MASTER_PORT (srun, or a hand-made RANK/WORLD_SIZE launch).
+#   "rank0"  rank 0 itself, at MASTER_ADDR:MASTER_PORT (srun, mpirun, or a hand-made RANK/WORLD_SIZE launch).
 StoreHost = Literal["none", "parent", "agent", "rank0"]
 
 # The environment variables through which a launcher hands a process its place. A child we start
 # ourselves (bench, tests) must not inherit them, or it would believe it is part of our job.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMIX_", "PMI_", "MV2_")
+
+
+@dataclass(frozen=True)
+class MpiVars:
+    """The variables through which one MPI launcher tells each process it starts its place."""
+
+    launcher: str
+    rank: str
+    world: str
+    local_rank: str
+    local_world: str
+
+
+# Tried in this order; a launcher counts when all four of its variables are set. srun sets some of them too
+# (PMI_RANK/PMI_SIZE with --mpi=pmi2, PMIX_RANK with --mpi=pmix) but never all four: then SLURM's are read.
+MPI_LAUNCHERS = (
+    MpiVars("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    MpiVars("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+            "MV2_COMM_WORLD_LOCAL_SIZE"),
+    MpiVars("MPICH", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # and Intel MPI: both Hydra
+)
+# The same on every node of one mpirun: Open MPI's job id (4.x) or PMIx namespace (5.x). Hydra has none.
+MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
+DEFAULT_PORT = 29500  # torch's own default, where nothing better is known
 
 
 def without_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
@@ -110,9 +141,9 @@ def _from_slurm(env: Mapping[str, str]) -> Identity:
     here = tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), _int(env, "SLURM_NODEID") or 0)
     local_world = _place(rank, world, local_rank, here, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     port = _int(env, "MASTER_PORT")
-    if port is None:  # the same on every node of the job, and unlikely to collide with a neighbour job's
+    if port is None:
         job = _int(env, "SLURM_JOB_ID")
-        port = 29500 if job is None else 20000 + job % 20000
+        port = DEFAULT_PORT if job is None else job_port(job)
     addr = env.get("MASTER_ADDR")
     if not addr:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
@@ -121,16 +152,75 @@ def _from_slurm(env: Mapping[str, str]) -> Identity:
                     master_addr=addr, master_port=port, launcher="SLURM")
 
 
+def job_port(job: int) -> int:
+    """The rendezvous port of job number `job`: the same on every node of the job, unlikely to be a neighbour
+    job's, and below Linux's ephemeral ports (32768 on), where a busy node's outgoing connections may hold it."""
+    return 20000 + job % 10000
+
+
+def launcher_pid(rank_var: str) -> int | None:
+    """The process that started this one: the nearest ancestor without `rank_var` in its environment (a
+    wrapper script in between inherits it), so the same for every rank of one job on one node. None where
+    /proc cannot tell (not Linux, or an ancestor that is not ours to read)."""
+    pid, needle = os.getppid(), rank_var.encode() + b"="
+    while pid > 1:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        if not any(item.startswith(needle) for item in environ.split(b"\0")):
+            return pid
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # the parent; the name may hold spaces and ")"
+    return None
+
+
+def _mpi_port(env: Mapping[str, str], rank_var: str, one_node: bool) -> int:
+    """An MPI job's rendezvous port: from its job id, the same on every node; without one (Hydra), from the
+    launcher's pid when the job has one node; else torch's default."""
+    job = next((env[key] for key in MPI_JOB_IDS if env.get(key)), None)
+    if job:
+        return job_port(zlib.crc32(job.encode()))
+    pid = launcher_pid(rank_var) if one_node else None
+    return DEFAULT_PORT if pid is None else job_port(pid)
+
+
+def _from_mpi(env: Mapping[str, str], names: MpiVars) -> Identity:
+    """An MPI launcher's variables. One node: 127.0.0.1, the port derived from the job. Several nodes: the
+    launcher does not say where rank 0 runs, so MASTER_ADDR must (`mpirun -x MASTER_ADDR=…`)."""
+    rank, world, local_rank, local_world = (_int(env, key) or 0 for key in
+                                            (names.rank, names.world, names.local_rank, names.local_world))
+    _place(rank, world, local_rank, local_world, (names.rank, names.world, names.local_rank))
+    one_node = local_world == world
+    addr = env.get("MASTER_ADDR") or ("127.0.0.1" if one_node else "")
+    if not addr:
+        raise UserError(f"{names.launcher} started {world} processes on several nodes ({local_world} on this one) "
+                        f"and does not say where rank 0 runs; pass its node's address to every process as "
+                        f"MASTER_ADDR (`mpirun -x MASTER_ADDR=<host>`, or `-genv MASTER_ADDR <host>` with Hydra).")
+    port = _int(env, "MASTER_PORT")
+    return Identity(rank, local_rank, world, local_world, "rank0" if world > 1 else "none",
+                    master_addr=addr, master_port=_mpi_port(env, names.rank, one_node) if port is None else port,
+                    launcher=names.launcher)
+
+
 def from_env(env: Mapping[str, str]) -> Identity | None:
-    """The identity torchrun or SLURM gave this process, or None if neither launched it.
+    """The identity torchrun, an MPI launcher or SLURM gave this process, or None if none launched it.
 
     torchrun's variables win: under `srun torchrun …` both sets are present, and torchrun's describe the
-    processes it started.
+    processes it started. MPI's win over SLURM's: `mpirun` inside an `sbatch` allocation hands its processes
+    the SLURM numbers of the batch step (or of its own helper daemons' step), which describe no rank.
     """
     if "RANK" in env and "WORLD_SIZE" in env:
         return _from_torchrun(env)
+    for names in MPI_LAUNCHERS:
+        if all(key in env for key in (names.rank, names.world, names.local_rank, names.local_world)):
+            return _from_mpi(env, names)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _from_slurm(env)
+    if "PMIX_RANK" in env:  # Open MPI 5 always sets OMPI_COMM_WORLD_*: some other PMIx launcher, world unknown
+        raise UserError(f"PMIX_RANK={env['PMIX_RANK']} says a PMIx launcher started this process, but neither "
+                        f"OMPI_COMM_WORLD_SIZE nor SLURM_NTASKS says how many processes the job has; start it "
+                        f"with Open MPI's mpirun, srun or torchrun.")
     return None
 
 

@@ -1,10 +1,10 @@
-"""Start the training processes: ourselves, or under torchrun / SLURM.
+"""Start the training processes: ourselves, or under torchrun / MPI / SLURM.
 
 `-n N -g G -nr R` (the tutorial's flags) spawns G local processes with
 `torch.multiprocessing.spawn`; process `local` gets rank R*G + local in a world of
 N*G. Node 0's parent holds the rendezvous store before it spawns, so a taken port
-is reported up front and the children can never race for it. Under torchrun or
-srun the launcher already started one process per rank and we only read who we are.
+is reported up front and the children can never race for it. Under torchrun, mpirun
+or srun the launcher already started one process per rank and we only read who we are.
 
 Stopping is part of starting: Ctrl-C or SIGTERM unwinds every process like a
 KeyboardInterrupt (so `finally` blocks leave the process group and a checkpoint being
@@ -121,7 +121,7 @@ def preflight(cfg: TrainConfig) -> None:
             raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
-    if cfg.tensorboard:  # under torchrun or srun every rank checks: none waits for a rank 0 that refused
+    if cfg.tensorboard:  # under a launcher every rank checks: none waits for a rank 0 that refused
         tb.check_installed()
 
 

@@ -22,11 +22,13 @@ from .errors import UserError
 from .identity import Identity
 
 WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares
+ARRIVED = "mnist_ddp/arrived"  # each rank checks in under ARRIVED/<rank> before the process group is made
 
 
 def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """Open the job's rendezvous store on node 0 (port 0: any free port). Listening fails at once when the
     port is taken, the clearest moment to say so; the world size is left in it for every joiner to check."""
+    resolve(addr)  # else TCPStore's own client would retry the name for minutes, deaf to Ctrl-C
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:
@@ -39,17 +41,23 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dis
     return store
 
 
+def resolve(addr: str) -> str:
+    """`addr` as an IP address; a name that does not resolve is the user's to fix, said at once on every rank."""
+    try:
+        return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as e:
+        raise UserError(f"the master address {addr!r} is not a host name this machine can resolve ({e}).") from None
+
+
 def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
     """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
     retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
     addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
+    resolve(addr)
     while True:
         try:
             with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
                 return
-        except socket.gaierror as e:
-            raise UserError(f"the master address {addr!r} is not a host name this machine can resolve ({e}).") \
-                from None
         except OSError:
             if time.monotonic() >= deadline:
                 raise UserError(
@@ -78,6 +86,22 @@ def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
         raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "
                         f"{ident.world_size}; give every node the same -n and -g (or the same number of tasks).")
     return store
+
+
+def meet(store: dist.Store, ident: Identity, timeout: timedelta) -> None:
+    """Wait until every rank has checked in at the store. init_process_group waits for its peers inside C++,
+    where Ctrl-C and SIGTERM are not seen until it gives up; polling here keeps a process that waits for
+    peers stoppable, and the timeout can say which ranks never came."""
+    store.set(f"{ARRIVED}/{ident.rank}", "1")
+    keys = [f"{ARRIVED}/{r}" for r in range(ident.world_size)]
+    deadline, pause = time.monotonic() + timeout.total_seconds(), 0.01
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            shown = ", ".join(map(str, missing[:8])) + (" …" if len(missing) > 8 else "")
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {shown} never arrived")
+        time.sleep(pause)
+        pause = min(1.0, pause * 1.5)  # a thousand ranks polling node 0's store stay a light load
 
 
 def gloo_interface(addr: str) -> str | None:

@@ -1,0 +1,59 @@
+"""Bad rendezvous input fails fast on every rank, and a process still waiting for its peers stops when told.
+
+Real processes, as a launcher starts them (here by hand, RANK/WORLD_SIZE): a master address that does not
+resolve ends rank 0 as it ends the others, at once, with one line; SIGTERM or Ctrl-C reach a process waiting
+for peers that never come (inside C++ it would not see them until --timeout), and it exits 130.
+"""
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny
+from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
+
+TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]
+HANG = 120  # seconds: a hang detector only; the waits under test are --timeout 600
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unresolvable_master_address_stops_every_rank_at_once(rank: int, tmp_path: Path) -> None:
+    env, mark = marked_env({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid",
+                            "MASTER_PORT": str(free_port())})
+    with reaped(mark):
+        proc = start([*TRAIN, "--timeout", "600", "--out", str(tmp_path / "o")], env, tmp_path, tmp_path / "log")
+        rc, log = finish(proc, tmp_path / "log", HANG)
+    assert rc == 2, log
+    assert log.strip().splitlines() == ["mnist-ddp: error: the master address 'no-such-host.invalid' is not a host "
+                                        "name this machine can resolve ([Errno -2] Name or service not known)."], log
+
+
+def _tcp(pid: int, port: int, state: str, side: int) -> bool:
+    """Whether `pid` holds a TCP socket in `state` ('0A' listen, '01' established) whose local (side 1) or
+    remote (side 2) port is `port`."""
+    rows = [line.split() for table in ("/proc/net/tcp", "/proc/net/tcp6")
+            for line in Path(table).read_text().splitlines()[1:]]
+    held = socket_inodes(pid)
+    return any(int(r[side].rsplit(":", 1)[1], 16) == port and r[3] == state and int(r[9]) in held for r in rows)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/net/tcp")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_ranks_waiting_for_a_peer_stop_when_told(how: signal.Signals, tmp_path: Path) -> None:
+    """World 3, rank 2 never comes: rank 0 has opened the store and waits there, rank 1 has joined it and
+    waits too; the signal stops both (before, they sat in C++ until --timeout, deaf to it)."""
+    port = free_port()
+    env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    with reaped(mark):
+        procs = [start([*TRAIN, "--timeout", "600", "--out", str(tmp_path / "o")], env | {"RANK": str(r)}, tmp_path,
+                       tmp_path / f"{r}.log") for r in range(2)]
+        wait_for("rank 0's store", lambda: _tcp(procs[0].pid, port, "0A", 1), HANG, running=procs[0])
+        wait_for("rank 1 to join it", lambda: _tcp(procs[1].pid, port, "01", 2), HANG, running=procs[1])
+        for proc in procs:
+            proc.send_signal(how)
+        results = [finish(proc, tmp_path / f"{r}.log", HANG) for r, proc in enumerate(procs)]
+    for rc, out in results:
+        assert rc == 130, out
+        assert out.strip().splitlines() == ["mnist-ddp: interrupted."], out
