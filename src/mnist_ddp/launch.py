@@ -101,8 +101,8 @@ def restarting(out: Path, ident: Identity, d: Dist) -> bool:
     attempts = d.all_sum(torch.tensor(ident.attempt, device=d.device))  # every rank takes part, whatever it holds
     if int(attempts) == 0 or not ident.run_id:
         return False
-    path = out / "checkpoint.pt"
-    ours = d.from_main(lambda: path.is_file() and checkpoint.load(path).get("run_id") == ident.run_id)
+    # The newest intact checkpoint: a damaged checkpoint.pt is passed over for the one saved before it.
+    ours = d.from_main(lambda: (checkpoint.newest_intact(out / "checkpoint.pt")[1] or {}).get("run_id") == ident.run_id)
     if ours and d.is_main:
         print(f"restart: torchrun restarted job {ident.run_id} (restart {ident.attempt} here); continuing {out} "
               f"from its checkpoint, as --resume would", flush=True)
