@@ -26,7 +26,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, identity, outdir, rendezvous, tb, train
+from . import checkpoint, compute, distributed, heartbeat, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
@@ -67,7 +67,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         device = distributed.pick_device(cfg.device, ident.local_rank)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size)
-        d = distributed.setup(ident, device, cfg.backend, cfg.timeout)
+        d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat)
         finished = False
         try:
             if check_out:
@@ -79,14 +79,27 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             return 0
         except RuntimeError as e:
             if d.world_size > 1 and distributed.is_peer_failure(e):
+                who = d.heartbeat.diagnose() if d.heartbeat else ""
+                who = who or (f"one of them crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s "
+                              f"(see its log)")
                 raise PeerFailure(
-                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); one of them "
-                    f"crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s (see its log). "
-                    f"Work since the last checkpoint is lost: run again with --resume to continue from it."
+                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); {who}. Work since "
+                    f"the last checkpoint is lost: run again with --resume to continue from it."
                 ) from e
             raise
         finally:
+            if d.heartbeat:
+                d.heartbeat.stop(*_last_words(sys.exc_info()[1]))
             distributed.teardown(together=finished)
+
+
+def _last_words(e: BaseException | None) -> tuple[str, bool]:
+    """What a rank that leaves tells the others' heartbeat readers: why, and whether that failure is its own."""
+    if e is None or isinstance(e, KeyboardInterrupt | SystemExit):
+        return ("finished" if e is None else "interrupted"), False
+    if isinstance(e, PeerFailure):
+        return heartbeat.LOST_CONTACT, False
+    return rendezvous.gist(e), True
 
 
 def restarting(out: Path, ident: Identity, d: Dist) -> bool:

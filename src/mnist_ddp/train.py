@@ -203,6 +203,7 @@ class Trainer:
         seen_here = 0
         desc = f"epoch {epoch + 1}/{cfg.recipe.epochs}"
         for step, (x, y) in enumerate(self.report.bar(self.train_batches, done + steps, desc, initial=done), 1):
+            d.at("training", epoch + 1, done + step)  # for a peer's timeout message: who hangs where (heartbeat.py)
             self.schedule(self.samples_done / (cfg.recipe.epochs * n))
             with autocast(d.device, self.amp):
                 loss = F.cross_entropy(net(x), y, label_smoothing=cfg.recipe.label_smoothing)
@@ -292,6 +293,7 @@ class Trainer:
         """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks); checkpoint.pt
         keeps the one before it as checkpoint.prev.pt, for `--resume` to fall back to."""
         if self.d.is_main:
+            self.d.at(f"saving {path.name}")
             checkpoint.save(path, {
                 "model": checkpoint.plain_module(self.model).state_dict(),
                 "optimizer": self.opt.state_dict(),
