@@ -9,7 +9,9 @@ Independent runs of one test go concurrently, to keep the wall time down on a sm
 import os
 import random
 import signal
+import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
-from procfs import children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
+from procfs import MARK, children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 
 pytestmark = needs_proc
 
@@ -148,15 +150,16 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 
 NEVER = {  # case -> (arguments after `train`, extra environment, what the message must say)
     "node 0 alone (-n 2 -nr 0)": (["-n", "2", "-g", "1", "-nr", "0", "--master-addr", "127.0.0.1"], {},
-                                  "could not join the 1 other process"),
+                                  ("could not join the 1 other process", "rank 1 never reached the rendezvous store")),
     "node 1 alone (-n 2 -nr 1)": (["-n", "2", "-g", "1", "-nr", "1", "--master-addr", "127.0.0.1"], {},
-                                  "found nobody listening"),
+                                  ("found nobody listening",)),
     "torchrun-style env, rank 1 never started": ([], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-                                                  "could not join the 1 other process"),
+                                                  ("could not join the 1 other process",
+                                                   "rank 1 never reached the rendezvous store")),
     "torchrun-style env, rank 0 never started": ([], {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-                                                  "found nobody listening"),
+                                                  ("found nobody listening",)),
     "srun-style env, task 0 never started": ([], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
-                                                  "SLURM_NODELIST": "127.0.0.1"}, "found nobody listening"),
+                                                  "SLURM_NODELIST": "127.0.0.1"}, ("found nobody listening",)),
 }
 
 
@@ -174,36 +177,64 @@ def test_peer_that_never_arrives_ends_in_a_clear_error(tmp_path: Path) -> None:
             rc, log = finish(proc, tmp_path / f"{n}.log", HANG)
             print(f"{case}: exit {rc} after {time.monotonic() - started:.1f} s")
             assert rc == 2, f"{case}: {log}"
-            assert NEVER[case][2] in log, f"{case}: {log}"
+            assert all(said in log for said in NEVER[case][2]), f"{case}: {log}"
             assert "Traceback" not in log, f"{case}: {log}"
 
 
 # --- a peer that dies or hangs, with nobody to restart it ----------------------------------------------
 
-def test_survivor_of_a_dead_or_frozen_peer_exits_with_a_clear_error(tmp_path: Path) -> None:
-    """Two processes started by hand (as a static launcher would); one is SIGKILLed, in another pair one
-    is frozen with SIGSTOP. The survivor says what happened and exits 1: after the dead peer's socket
-    closes, or after --timeout of silence from the frozen one."""
-    env, mark = marked_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
-    pairs = {}
+def _last_error(log: str) -> str:
+    return next(line for line in reversed(log.splitlines()) if line.startswith("mnist-ddp: error: "))
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    return [pid for pid in children(parent) if MARK in env_of(pid)
+            and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+
+
+def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
+    """Worlds of 3, rank 2 SIGKILLed or frozen with SIGSTOP, nobody to restart it: started by hand with RANK
+    and WORLD_SIZE (as srun or a static launcher would: rank 0 hosts the store), and by our own spawn (`-g 3`;
+    its parent hosts the store and reports a child's line). Every survivor exits 1 with one line naming the
+    rank, its host and pid, dead or stopped, and what its last beat said; the checkpoint still loads. The
+    seconds from the signal to each survivor's line are printed (a freeze waits --timeout 6 first)."""
+    env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"})
+    args, host = ("--epochs", "50", "--timeout", "6", "--checkpoint-every", "2"), socket.gethostname()
+    jobs: dict[str, list] = {}
     with reaped(mark):
         for how in ("SIGKILL", "SIGSTOP"):
-            port = str(free_port())
-            out = tmp_path / how
-            pairs[how] = [start(_train(out, "--epochs", "50", "--timeout", "6", "--checkpoint-every", "2"),
-                                env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path, tmp_path / f"{how}{r}.log")
-                          for r in range(2)]
-        for how, (_, rank1) in pairs.items():
-            wait_for(f"{how} pair to train", lambda out=tmp_path / how: progress(out), HANG, running=rank1)
-            os.kill(rank1.pid, getattr(signal, how))
-        for how, (rank0, rank1) in pairs.items():
-            rc, log = finish(rank0, tmp_path / f"{how}0.log", HANG)
-            assert rc == 1, f"{how}: {log}"
-            assert "rank 0 lost contact with the other processes" in log and "--resume" in log, f"{how}: {log}"
-            assert "Traceback" not in log, log
-            assert progress(tmp_path / how) is not None  # the last checkpoint still loads
-            os.kill(rank1.pid, signal.SIGKILL)
-            rank1.wait()
+            port, out = str(free_port()), tmp_path / how
+            jobs[how] = [start(_train(out, *args), env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path,
+                               tmp_path / f"{how}{r}.log") for r in range(3)]
+        spawned = tmp_path / "spawn"
+        plain = {k: v for k, v in env.items() if k != "WORLD_SIZE"}
+        jobs["spawn SIGSTOP"] = [start(_train(spawned, *args, "-n", "1", "-g", "3"), plain, tmp_path,
+                                       tmp_path / "spawn SIGSTOP.log")]
+        victims, sent = {}, {}
+        for how, procs in jobs.items():
+            out = spawned if how.startswith("spawn") else tmp_path / how
+            wait_for(f"{how}: training", lambda out=out: progress(out), HANG, running=procs[0])
+            victims[how] = procs[2].pid if len(procs) == 3 else max(_spawned_workers(procs[0].pid))
+            os.kill(victims[how], getattr(signal, how.split()[-1]))
+            sent[how] = time.time()
+        for how, procs in jobs.items():
+            survivors = [0, 1] if len(procs) == 3 else [0]
+            for r in survivors:
+                path = tmp_path / f"{how}{'' if len(procs) == 1 else r}.log"
+                rc, log = finish(procs[r], path, HANG)
+                print(f"{how}: survivor {r} said so {path.stat().st_mtime - sent[how]:.1f} s after the signal")
+                line = _last_error(log)
+                assert rc == 1 and "Traceback" not in log, f"{how}: {log}"
+                assert "lost contact with the other processes" in line and "--resume" in line, line
+                fate = "gone (" if how == "SIGKILL" else "stopped (SIGSTOP"
+                assert f"({host}, pid {victims[how]}) stopped answering: {fate}" in line, line
+                assert "its last beat said it was training (epoch " in line, line
+                if len(procs) == 3:
+                    assert f"rank 2 ({host}, pid {victims[how]})" in line, line
+            with suppress(ProcessLookupError):  # spawn's parent killed its frozen child already
+                os.kill(victims[how], signal.SIGKILL)
+        for how in jobs:
+            assert progress(spawned if how.startswith("spawn") else tmp_path / how) is not None
 
 
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
@@ -214,8 +245,7 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
         wait_for("training", lambda: progress(out), HANG, running=parent)
-        victim = next(pid for pid in children(parent.pid) if "MNIST_DDP_TEST_MARK" in env_of(pid)
-                      and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        victim = _spawned_workers(parent.pid)[0]
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log

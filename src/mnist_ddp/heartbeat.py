@@ -70,15 +70,20 @@ class Heartbeat:
         me = _started(os.getpid())
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "node": _node(),
                    "start": me.split()[1] if me else ""}
-        self.doing = "joining the process group"
+        self.phase = self.doing = "joining the process group"
         self.seq = 0
-        self.stopped = threading.Event()
+        self.stopped = False
+        self.wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mnist-ddp heartbeat", daemon=True)
         self.thread.start()
 
     def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
-        """What this rank does now, published with the next beat (cheap enough for every step)."""
+        """What this rank does now: a new phase is published at once (by the thread), a new step with the next
+        beat, so the loop never waits for the store and its steps cost no I/O."""
         self.doing = f"{phase} (epoch {epoch}, step {step})" if epoch else phase
+        if phase != self.phase:
+            self.phase = phase
+            self.wake.set()
 
     def _beat(self, left: str | None = None, culprit: bool = False) -> None:
         self.seq += 1
@@ -86,15 +91,17 @@ class Heartbeat:
                                                    "culprit": culprit}))
 
     def _run(self) -> None:
-        while not self.stopped.is_set():
+        while not self.stopped:
             with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
                 self._beat()
-            self.stopped.wait(self.interval)
+            self.wake.wait(self.interval)
+            self.wake.clear()
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop beating, leaving a last record that says why this rank left, and whether that is a failure of
         its own (`culprit`) rather than an echo of another's (LOST_CONTACT), a success or an interrupt."""
-        self.stopped.set()
+        self.stopped = True
+        self.wake.set()
         self.thread.join(timeout=self.interval + 2 * BEAT_WAIT_S)
         with suppress(RuntimeError, OSError):
             self._beat(left, culprit)

@@ -33,6 +33,7 @@ from .errors import UserError
 from .identity import Identity
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
+SETTLE_S = 2.0  # after one child failed, how long the others get to end by themselves (their message: the same)
 
 
 @contextmanager
@@ -186,7 +187,9 @@ def spawn(cfg: TrainConfig) -> int:
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
                                       start_method="spawn")
         try:
-            while not children.join():  # returns early, stopping the rest, when one child fails
+            # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
+            # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
+            while not children.join(grace_period=SETTLE_S):
                 pass
         except mp.ProcessExitedException as e:
             rank = cfg.node_rank * cfg.gpus + e.error_index
