@@ -192,49 +192,59 @@ def _spawned_workers(parent: int) -> list[int]:
             and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
 
 
+# case -> (launched by: hand (RANK/WORLD_SIZE, rank 0 hosts the store) or spawn (-g 3), the rank hit, the signal)
+HIT = {"rank 2 killed": ("hand", 2, "SIGKILL"), "rank 2 frozen": ("hand", 2, "SIGSTOP"),
+       "rank 0 frozen, with the store it hosts": ("hand", 0, "SIGSTOP"),
+       "spawned child frozen": ("spawn", None, "SIGSTOP")}
+
+
 def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
-    """Worlds of 3, rank 2 SIGKILLed or frozen with SIGSTOP, nobody to restart it: started by hand with RANK
-    and WORLD_SIZE (as srun or a static launcher would: rank 0 hosts the store), and by our own spawn (`-g 3`;
-    its parent hosts the store and reports a child's line). Every survivor exits 1 with one line naming the
-    rank, its host and pid, dead or stopped, and what its last beat said; the checkpoint still loads. The
-    seconds from the signal to each survivor's line are printed (a freeze waits --timeout 6 first)."""
+    """Worlds of 3, nobody to restart the rank that is SIGKILLed or frozen with SIGSTOP; started by hand with
+    RANK and WORLD_SIZE (as srun or a static launcher would), or by our own spawn (whose parent prints a child's
+    line). Every survivor exits 1 with one line naming the rank, its host and pid, dead or stopped, and what its
+    last beat said; the checkpoint still loads. The seconds from the signal to each survivor's line are printed
+    (a freeze first waits --timeout 10)."""
     env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"})
-    args, host = ("--epochs", "50", "--timeout", "6", "--checkpoint-every", "2"), socket.gethostname()
+    args, host = ("--epochs", "50", "--timeout", "10", "--checkpoint-every", "2"), socket.gethostname()
     jobs: dict[str, list] = {}
     with reaped(mark):
-        for how in ("SIGKILL", "SIGSTOP"):
-            port, out = str(free_port()), tmp_path / how
-            jobs[how] = [start(_train(out, *args), env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path,
-                               tmp_path / f"{how}{r}.log") for r in range(3)]
-        spawned = tmp_path / "spawn"
-        plain = {k: v for k, v in env.items() if k != "WORLD_SIZE"}
-        jobs["spawn SIGSTOP"] = [start(_train(spawned, *args, "-n", "1", "-g", "3"), plain, tmp_path,
-                                       tmp_path / "spawn SIGSTOP.log")]
+        for n, (case, (launcher, _, _)) in enumerate(HIT.items()):
+            out = tmp_path / str(n)
+            if launcher == "hand":
+                port = str(free_port())
+                jobs[case] = [start(_train(out, *args), env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path,
+                                    tmp_path / f"{n}-{r}.log") for r in range(3)]
+            else:
+                plain = {k: v for k, v in env.items() if k != "WORLD_SIZE"}
+                jobs[case] = [start(_train(out, *args, "-n", "1", "-g", "3"), plain, tmp_path, tmp_path / f"{n}.log")]
         victims, sent = {}, {}
-        for how, procs in jobs.items():
-            out = spawned if how.startswith("spawn") else tmp_path / how
-            wait_for(f"{how}: training", lambda out=out: progress(out), HANG, running=procs[0])
-            victims[how] = procs[2].pid if len(procs) == 3 else max(_spawned_workers(procs[0].pid))
-            os.kill(victims[how], getattr(signal, how.split()[-1]))
-            sent[how] = time.time()
-        for how, procs in jobs.items():
-            survivors = [0, 1] if len(procs) == 3 else [0]
-            for r in survivors:
-                path = tmp_path / f"{how}{'' if len(procs) == 1 else r}.log"
-                rc, log = finish(procs[r], path, HANG)
-                print(f"{how}: survivor {r} said so {path.stat().st_mtime - sent[how]:.1f} s after the signal")
+        for n, (case, procs) in enumerate(jobs.items()):
+            _, rank, how = HIT[case]
+            wait_for(f"{case}: training", lambda out=tmp_path / str(n): progress(out), HANG, running=procs[0])
+            victims[case] = procs[rank].pid if rank is not None else max(_spawned_workers(procs[0].pid))
+            os.kill(victims[case], getattr(signal, how))
+            sent[case] = time.time()
+        for n, (case, procs) in enumerate(jobs.items()):
+            _, rank, how = HIT[case]
+            for r, proc in enumerate(procs):
+                if r == rank:
+                    continue
+                path = tmp_path / (f"{n}-{r}.log" if rank is not None else f"{n}.log")
+                rc, log = finish(proc, path, HANG)
+                print(f"{case}: survivor {r} said so {path.stat().st_mtime - sent[case]:.1f} s after the signal")
                 line = _last_error(log)
-                assert rc == 1 and "Traceback" not in log, f"{how}: {log}"
+                assert rc == 1 and "Traceback" not in log, f"{case}: {log}"
                 assert "lost contact with the other processes" in line and "--resume" in line, line
-                fate = "gone (" if how == "SIGKILL" else "stopped (SIGSTOP"
-                assert f"({host}, pid {victims[how]}) stopped answering: {fate}" in line, line
-                assert "its last beat said it was training (epoch " in line, line
-                if len(procs) == 3:
-                    assert f"rank 2 ({host}, pid {victims[how]})" in line, line
+                who = f"{'' if rank is None else f'rank {rank} '}({host}, pid {victims[case]})"
+                if rank == 0:  # it took the store down with it: no last beat to quote
+                    assert f"{who}, which hosts the rendezvous store, stopped answering: stopped (SIGSTOP" in line, line
+                else:
+                    fate = "gone (" if how == "SIGKILL" else "stopped (SIGSTOP"
+                    assert f"{who} stopped answering: {fate}" in line, line
+                    assert "; its last beat said it was training (epoch " in line, line
             with suppress(ProcessLookupError):  # spawn's parent killed its frozen child already
-                os.kill(victims[how], signal.SIGKILL)
-        for how in jobs:
-            assert progress(spawned if how.startswith("spawn") else tmp_path / how) is not None
+                os.kill(victims[case], signal.SIGKILL)
+            assert progress(tmp_path / str(n)) is not None
 
 
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:

@@ -132,7 +132,7 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float)
         if heartbeat_s:  # before the rendezvous, so that one that times out can name who never came
             beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
             beat = Heartbeat(dist.PrefixStore("mnist_ddp/heartbeat", beats), ident.rank, ident.world_size, heartbeat_s,
-                             hosts_store=ident.store_host == "rank0" and ident.rank == 0)
+                             store_host=0 if ident.store_host == "rank0" else None)
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout)
         if beat:
             beat.at("setting up (data, model, checkpoint)")

@@ -20,12 +20,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
-BEAT_WAIT_S = 5.0  # how long a beat or a reading waits for the store: short, so a frozen store host is told soon
+T = TypeVar("T")
+BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
 LOST_CONTACT = "lost contact"  # the last words of a survivor
 
 
@@ -59,20 +62,36 @@ def _fate(beat: dict) -> str:
             "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
 
 
+def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
+    """`fn()`, or None if it raised a store error or did not return within `seconds`. A TCPStore client waits
+    without end for a frozen host's answer (its timeout is not applied there), and blocks every other call on
+    the same connection meanwhile, so nothing that must end (a failing rank's last word) calls it directly."""
+    found: list[T] = []
+
+    def call() -> None:
+        with suppress(RuntimeError, OSError):  # DistStoreError is a RuntimeError: the store's host is gone
+            found.append(fn())
+    caller = threading.Thread(target=call, name="mnist-ddp heartbeat reader", daemon=True)
+    caller.start()
+    caller.join(seconds)
+    return found[0] if found else None
+
+
 class Heartbeat:
     """This rank's beat, and the reading of everyone's when something failed."""
 
     DIAGNOSIS_BEATS = 2.5  # a counter that did not move over this many beats is silent
 
-    def __init__(self, store: dist.Store, rank: int, world: int, interval: float, hosts_store: bool) -> None:
-        self.store, self.rank, self.world, self.interval = store, rank, world, interval
-        self.hosts_store = hosts_store  # the store lives in this process: it dies with it
+    def __init__(self, store: dist.Store, rank: int, world: int, interval: float, store_host: int | None) -> None:
+        """`store_host`: the rank whose process hosts the store (it dies with it), or None for a launcher's."""
+        self.store, self.rank, self.world, self.interval, self.store_host = store, rank, world, interval, store_host
         me = _started(os.getpid())
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "node": _node(),
                    "start": me.split()[1] if me else ""}
+        self.roster: dict[int, dict] = {}  # every rank's first record: who is where, even if the store dies later
         self.phase = self.doing = "joining the process group"
         self.seq = 0
-        self.stopped = False
+        self.stopped = self.store_silent = False
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mnist-ddp heartbeat", daemon=True)
         self.thread.start()
@@ -94,6 +113,8 @@ class Heartbeat:
         while not self.stopped:
             with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
                 self._beat()
+                if len(self.roster) < self.world:
+                    self.roster = self._read()
             self.wake.wait(self.interval)
             self.wake.clear()
 
@@ -102,10 +123,10 @@ class Heartbeat:
         its own (`culprit`) rather than an echo of another's (LOST_CONTACT), a success or an interrupt."""
         self.stopped = True
         self.wake.set()
-        self.thread.join(timeout=self.interval + 2 * BEAT_WAIT_S)
-        with suppress(RuntimeError, OSError):
-            self._beat(left, culprit)
-        if self.hosts_store and (culprit or left == LOST_CONTACT):  # the others may be reading the beats now
+        self.thread.join(timeout=BEAT_WAIT_S)
+        if not self.store_silent:
+            _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
+        if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
 
     def _read(self) -> dict[int, dict]:
@@ -114,29 +135,43 @@ class Heartbeat:
         values = self.store.multi_get([str(r) for r in present]) if present else []
         return {r: json.loads(v) for r, v in zip(present, values)}
 
+    def _who(self, rank: int, beat: dict) -> str:
+        return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
+
     def diagnose(self) -> str:
-        """Name the ranks that stopped answering: host, pid, what they were last doing, dead or frozen.
-        Takes about three beats (the records are read twice); '' when nothing points at anyone."""
-        try:
-            first = self._read()
-            for rank, beat in first.items():  # what this machine can see, for survivors elsewhere to read
-                if rank != self.rank and beat["node"] == self.me["node"]:
-                    self.store.set(f"fate/{rank}", _fate(beat))
-            time.sleep(self.DIAGNOSIS_BEATS * self.interval)
-            second = self._read()
-        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError: timed out, or the host is gone
-            return (f"the rendezvous store does not answer either ({type(e).__name__}), so whoever hosts it (rank "
-                    f"0, a launcher's agent, or node 0's spawning process) is gone or frozen")
+        """Name the ranks that stopped answering: host, pid, dead or frozen, what they were last doing; '' when
+        nothing points at anyone. Takes about three beats (the records are read twice), and never hangs: a
+        frozen store host leaves reads unanswered past their timeout (`_bounded`)."""
+        first = _bounded(self._read, BEAT_WAIT_S)
+        found = first and _bounded(lambda: self._diagnose(first), self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
+        if found is not None:
+            return found
+        self.store_silent = True
+        if self.store_host is None:
+            return ("the rendezvous store does not answer either, so the launcher that hosts it (torchrun's agent, "
+                    "or node 0's mnist-ddp process) is gone or frozen")
+        host = self.roster.get(self.store_host)
+        fate = _fate(host) if host and host["node"] == self.me["node"] else "gone or frozen"
+        return (f"{self._who(self.store_host, host) if host else f'rank {self.store_host}'}, which hosts the "
+                f"rendezvous store, stopped answering: {fate} (the store does not answer either)")
+
+    def _diagnose(self, first: dict[int, dict]) -> str:
+        """`diagnose`'s reading of the store, after the `first` one."""
+        for rank, beat in first.items():  # what this machine can see, for survivors elsewhere to read
+            if rank != self.rank and beat["node"] == self.me["node"]:
+                self.store.set(f"fate/{rank}", _fate(beat))
+        time.sleep(self.DIAGNOSIS_BEATS * self.interval)
+        second = self._read()
+        fates = {r: self.store.get(f"fate/{r}").decode() for r in second if self.store.check([f"fate/{r}"])}
         silent, failed, never = [], [], [r for r in range(self.world) if r not in second]
         for rank, beat in sorted(second.items()):
             if beat["culprit"]:
-                failed.append(f"rank {rank} ({beat['host']}, pid {beat['pid']}) failed: {beat['left']}")
+                failed.append(f"{self._who(rank, beat)} failed: {beat['left']}")
             elif beat["left"] is None and first.get(rank, {}).get("seq") == beat["seq"]:
-                fate = (_fate(beat) if beat["node"] == self.me["node"] else
-                        self.store.get(f"fate/{rank}").decode() if self.store.check([f"fate/{rank}"]) else
-                        "silent: dead or frozen, on a machine where no survivor could look")
-                silent.append(f"rank {rank} ({beat['host']}, pid {beat['pid']}) stopped answering: {fate}; its "
-                              f"last beat said it was {beat['doing']}")
+                fate = _fate(beat) if beat["node"] == self.me["node"] else fates.get(
+                    rank, "dead or frozen, on a machine where no survivor could look")
+                silent.append(f"{self._who(rank, beat)} stopped answering: {fate}; its last beat said it was "
+                              f"{beat['doing']}")
         named = failed + silent + [f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never "
                                    f"reached the rendezvous store"] * bool(never)
         return "; ".join(named) or self._odd_one_out(second)

@@ -33,7 +33,7 @@ from .errors import UserError
 from .identity import Identity
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
-SETTLE_S = 2.0  # after one child failed, how long the others get to end by themselves (their message: the same)
+SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)
 
 
 @contextmanager
