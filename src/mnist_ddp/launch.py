@@ -145,8 +145,12 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "m
     try:
         run_worker(ident, cfg)
     except UserError as e:
-        errors.put(e)
-        sys.exit(e.exit_code)
+        errors.put(e)  # in the pipe when put returns
+        # Done: leave now. The interpreter's own exit would wait on gloo's threads, for up to --timeout when a
+        # peer froze, and the parent reports nothing until every child is gone.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
 
