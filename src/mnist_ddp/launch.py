@@ -146,11 +146,14 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "m
         run_worker(ident, cfg)
     except UserError as e:
         errors.put(e)  # in the pipe when put returns
-        # Done: leave now. The interpreter's own exit would wait on gloo's threads, for up to --timeout when a
-        # peer froze, and the parent reports nothing until every child is gone.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(e.exit_code)
+        if isinstance(e, PeerFailure):
+            # Leave now: the interpreter's own exit would wait on gloo's threads for up to --timeout more when a
+            # peer froze, and the parent reports nothing until every child is gone. (Nothing of value is left
+            # unwritten: outputs are written whole, and the failed stretch is what --resume redoes.)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
 
