@@ -157,7 +157,7 @@ def load_resumable(path: Path) -> dict[str, Any]:
 def newest_intact(path: Path, check: Callable[[Path, dict[str, Any]], None] = lambda p, c: None
                   ) -> tuple[Path | None, dict[str, Any] | None, list[UserError]]:
     """The newest of `path` and `previous(path)` that loads, passes `check` and can be resumed, with the
-    refusals of those before it; touches nothing. (None, None, []) when neither exists."""
+    refusals of those before it; touches nothing. (None, None, refusals) when neither can be used."""
     refused = []
     for candidate in (path, previous(path)):
         if not candidate.exists():
