@@ -20,6 +20,7 @@ import torch
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
+from mnist_ddp.errors import UserError
 from procfs import MARK, children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 
 pytestmark = needs_proc
@@ -103,20 +104,31 @@ def _consistent(path: Path) -> int:
     return ckpt["i"]
 
 
-def _save_forever(path: Path, first: int) -> None:
+def _newest(path: Path) -> int:
+    """The counter of the newest whole checkpoint: `path`, or the previous one while a rotating save is
+    between its two renames (`path` is then missing for a moment)."""
+    try:
+        return _consistent(path)
+    except UserError:
+        return _consistent(checkpoint.previous(path))
+
+
+def _save_forever(path: Path, first: int, keep_previous: bool) -> None:
     """The writer, in a forked child: save, save, save… until it is killed."""
     try:
         torch.set_num_threads(1)  # the parent's OpenMP threads did not survive the fork; run without them
         i = first
         while True:
             i += 1
-            checkpoint.save(path, _payload(i))
+            checkpoint.save(path, _payload(i), keep_previous=keep_previous)
     finally:
         os._exit(1)
 
 
-def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path) -> None:
-    """Ten writers, each SIGKILLed at a random moment; after every kill the checkpoint loads and is whole."""
+@pytest.mark.parametrize("keep_previous", [False, True], ids=["plain", "rotating (checkpoint.prev.pt)"])
+def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, keep_previous: bool) -> None:
+    """Ten writers, each SIGKILLed at a random moment; after every kill the newest checkpoint loads and is
+    whole, and a kept previous one is whole and older."""
     path = tmp_path / "checkpoint.pt"
     checkpoint.save(path, _payload(0))
     interrupted, rng = 0, random.Random(0)
@@ -124,13 +136,15 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path
         first = round_ * 1_000_000
         writer = os.fork()  # milliseconds, where a fresh interpreter would take seconds
         if writer == 0:
-            _save_forever(path, first)
-        wait_for("the writer's first save", lambda first=first: _consistent(path) > first, HANG, 0.01)
+            _save_forever(path, first, keep_previous)
+        wait_for("the writer's first save", lambda first=first: _newest(path) > first, HANG, 0.01)
         time.sleep(rng.uniform(0, 0.1))  # a save takes tens of milliseconds: most kills land inside one
         os.kill(writer, signal.SIGKILL)
         os.waitpid(writer, 0)
-        now = _consistent(path)  # loads, and is whole
+        now = _newest(path)  # loads, and is whole
         assert now > first  # the newest complete save, or one before it: never garbage, never lost
+        if keep_previous and path.exists():
+            assert _consistent(checkpoint.previous(path)) < now
         interrupted += bool(_temp_files(tmp_path))
     assert interrupted > 0, "no kill landed inside a save; the test proved nothing"
     checkpoint.save(path, _payload(-1))  # the next save clears what killed writers left behind
