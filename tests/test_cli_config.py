@@ -34,6 +34,7 @@ BAD_TRAIN = [
     (["-n", "2", "--master-addr", "10.0.0.1"], "--master-port"),
     (["--master-port", "70000"], "--master-port 70000"),
     (["--timeout", "0"], "--timeout"),
+    (["--heartbeat", "-1"], "--heartbeat is seconds between beats (0: off), not -1.0."),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--device", "cpu", "--amp", "fp16"], "--amp fp16 needs CUDA"),
     (["--device", "cpu", "--sync-bn"], "--sync-bn needs CUDA"),

@@ -8,8 +8,11 @@ Independent runs of one test go concurrently, to keep the wall time down on a sm
 
 import os
 import random
+import re
 import signal
+import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,8 @@ import torch
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
-from procfs import children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
+from mnist_ddp.errors import UserError
+from procfs import MARK, children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 
 pytestmark = needs_proc
 
@@ -100,20 +104,31 @@ def _consistent(path: Path) -> int:
     return ckpt["i"]
 
 
-def _save_forever(path: Path, first: int) -> None:
+def _newest(path: Path) -> int:
+    """The counter of the newest whole checkpoint: `path`, or the previous one while a rotating save is
+    between its two renames (`path` is then missing for a moment)."""
+    try:
+        return _consistent(path)
+    except UserError:
+        return _consistent(checkpoint.previous(path))
+
+
+def _save_forever(path: Path, first: int, keep_previous: bool) -> None:
     """The writer, in a forked child: save, save, save… until it is killed."""
     try:
         torch.set_num_threads(1)  # the parent's OpenMP threads did not survive the fork; run without them
         i = first
         while True:
             i += 1
-            checkpoint.save(path, _payload(i))
+            checkpoint.save(path, _payload(i), keep_previous=keep_previous)
     finally:
         os._exit(1)
 
 
-def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path) -> None:
-    """Ten writers, each SIGKILLed at a random moment; after every kill the checkpoint loads and is whole."""
+@pytest.mark.parametrize("keep_previous", [False, True], ids=["plain", "rotating (checkpoint.prev.pt)"])
+def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, keep_previous: bool) -> None:
+    """Ten writers, each SIGKILLed at a random moment; after every kill the newest checkpoint loads and is
+    whole, and a kept previous one is whole and older."""
     path = tmp_path / "checkpoint.pt"
     checkpoint.save(path, _payload(0))
     interrupted, rng = 0, random.Random(0)
@@ -121,13 +136,15 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path
         first = round_ * 1_000_000
         writer = os.fork()  # milliseconds, where a fresh interpreter would take seconds
         if writer == 0:
-            _save_forever(path, first)
-        wait_for("the writer's first save", lambda first=first: _consistent(path) > first, HANG, 0.01)
+            _save_forever(path, first, keep_previous)
+        wait_for("the writer's first save", lambda first=first: _newest(path) > first, HANG, 0.01)
         time.sleep(rng.uniform(0, 0.1))  # a save takes tens of milliseconds: most kills land inside one
         os.kill(writer, signal.SIGKILL)
         os.waitpid(writer, 0)
-        now = _consistent(path)  # loads, and is whole
+        now = _newest(path)  # loads, and is whole
         assert now > first  # the newest complete save, or one before it: never garbage, never lost
+        if keep_previous and path.exists():
+            assert _consistent(checkpoint.previous(path)) < now
         interrupted += bool(_temp_files(tmp_path))
     assert interrupted > 0, "no kill landed inside a save; the test proved nothing"
     checkpoint.save(path, _payload(-1))  # the next save clears what killed writers left behind
@@ -148,15 +165,16 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 
 NEVER = {  # case -> (arguments after `train`, extra environment, what the message must say)
     "node 0 alone (-n 2 -nr 0)": (["-n", "2", "-g", "1", "-nr", "0", "--master-addr", "127.0.0.1"], {},
-                                  "could not join the 1 other process"),
+                                  ("could not join the 1 other process", "rank 1 never reached the rendezvous store")),
     "node 1 alone (-n 2 -nr 1)": (["-n", "2", "-g", "1", "-nr", "1", "--master-addr", "127.0.0.1"], {},
-                                  "found nobody listening"),
+                                  ("found nobody listening",)),
     "torchrun-style env, rank 1 never started": ([], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-                                                  "could not join the 1 other process"),
+                                                  ("could not join the 1 other process",
+                                                   "rank 1 never reached the rendezvous store")),
     "torchrun-style env, rank 0 never started": ([], {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-                                                  "found nobody listening"),
+                                                  ("found nobody listening",)),
     "srun-style env, task 0 never started": ([], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
-                                                  "SLURM_NODELIST": "127.0.0.1"}, "found nobody listening"),
+                                                  "SLURM_NODELIST": "127.0.0.1"}, ("found nobody listening",)),
 }
 
 
@@ -174,36 +192,75 @@ def test_peer_that_never_arrives_ends_in_a_clear_error(tmp_path: Path) -> None:
             rc, log = finish(proc, tmp_path / f"{n}.log", HANG)
             print(f"{case}: exit {rc} after {time.monotonic() - started:.1f} s")
             assert rc == 2, f"{case}: {log}"
-            assert NEVER[case][2] in log, f"{case}: {log}"
+            assert all(said in log for said in NEVER[case][2]), f"{case}: {log}"
             assert "Traceback" not in log, f"{case}: {log}"
 
 
 # --- a peer that dies or hangs, with nobody to restart it ----------------------------------------------
 
-def test_survivor_of_a_dead_or_frozen_peer_exits_with_a_clear_error(tmp_path: Path) -> None:
-    """Two processes started by hand (as a static launcher would); one is SIGKILLed, in another pair one
-    is frozen with SIGSTOP. The survivor says what happened and exits 1: after the dead peer's socket
-    closes, or after --timeout of silence from the frozen one."""
-    env, mark = marked_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
-    pairs = {}
+def _last_error(log: str) -> str:
+    return next(line for line in reversed(log.splitlines()) if line.startswith("mnist-ddp: error: "))
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    return [pid for pid in children(parent) if MARK in env_of(pid)
+            and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+
+
+# case -> (launched by: hand (RANK/WORLD_SIZE, rank 0 hosts the store) or spawn (-g 3), the rank hit, the signal)
+HIT = {"rank 2 killed": ("hand", 2, "SIGKILL"), "rank 2 frozen": ("hand", 2, "SIGSTOP"),
+       "rank 0 frozen, with the store it hosts": ("hand", 0, "SIGSTOP"),
+       "spawned child frozen": ("spawn", None, "SIGSTOP")}
+
+
+def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
+    """Worlds of 3, nobody to restart the rank that is SIGKILLed or frozen with SIGSTOP; started by hand with
+    RANK and WORLD_SIZE (as srun or a static launcher would), or by our own spawn (whose parent prints a child's
+    line). Every survivor exits 1 with one line naming the rank, its host and pid, dead or stopped, and what its
+    last beat said; the checkpoint still loads. The seconds from the signal to each survivor's line are printed
+    (a freeze first waits --timeout 10)."""
+    env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"})
+    args, host = ("--epochs", "50", "--timeout", "10", "--checkpoint-every", "2"), socket.gethostname()
+    jobs: dict[str, list] = {}
     with reaped(mark):
-        for how in ("SIGKILL", "SIGSTOP"):
-            port = str(free_port())
-            out = tmp_path / how
-            pairs[how] = [start(_train(out, "--epochs", "50", "--timeout", "6", "--checkpoint-every", "2"),
-                                env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path, tmp_path / f"{how}{r}.log")
-                          for r in range(2)]
-        for how, (_, rank1) in pairs.items():
-            wait_for(f"{how} pair to train", lambda out=tmp_path / how: progress(out), HANG, running=rank1)
-            os.kill(rank1.pid, getattr(signal, how))
-        for how, (rank0, rank1) in pairs.items():
-            rc, log = finish(rank0, tmp_path / f"{how}0.log", HANG)
-            assert rc == 1, f"{how}: {log}"
-            assert "rank 0 lost contact with the other processes" in log and "--resume" in log, f"{how}: {log}"
-            assert "Traceback" not in log, log
-            assert progress(tmp_path / how) is not None  # the last checkpoint still loads
-            os.kill(rank1.pid, signal.SIGKILL)
-            rank1.wait()
+        for n, (case, (launcher, _, _)) in enumerate(HIT.items()):
+            out = tmp_path / str(n)
+            if launcher == "hand":
+                port = str(free_port())
+                jobs[case] = [start(_train(out, *args), env | {"RANK": str(r), "MASTER_PORT": port}, tmp_path,
+                                    tmp_path / f"{n}-{r}.log") for r in range(3)]
+            else:
+                plain = {k: v for k, v in env.items() if k != "WORLD_SIZE"}
+                jobs[case] = [start(_train(out, *args, "-n", "1", "-g", "3"), plain, tmp_path, tmp_path / f"{n}.log")]
+        victims, sent = {}, {}
+        for n, (case, procs) in enumerate(jobs.items()):
+            _, rank, how = HIT[case]
+            wait_for(f"{case}: training", lambda out=tmp_path / str(n): progress(out), HANG, running=procs[0])
+            victims[case] = procs[rank].pid if rank is not None else max(_spawned_workers(procs[0].pid))
+            os.kill(victims[case], getattr(signal, how))
+            sent[case] = time.time()
+        for n, (case, procs) in enumerate(jobs.items()):
+            _, rank, how = HIT[case]
+            for r, proc in enumerate(procs):
+                if r == rank:
+                    continue
+                path = tmp_path / (f"{n}-{r}.log" if rank is not None else f"{n}.log")
+                rc, log = finish(proc, path, HANG)
+                print(f"{case}: survivor {r} said so {path.stat().st_mtime - sent[case]:.1f} s after the signal")
+                line = _last_error(log)
+                assert rc == 1 and "Traceback" not in log, f"{case}: {log}"
+                assert "lost contact with the other processes" in line and "--resume" in line, line
+                who = f"{'' if rank is None else f'rank {rank} '}({host}, pid {victims[case]})"
+                if rank == 0:  # it took the store down with it: no last beat to quote
+                    assert f"{who}, which hosts the rendezvous store, stopped answering: stopped (SIGSTOP" in line, line
+                else:
+                    fate = "gone (" if how == "SIGKILL" else "stopped (SIGSTOP"
+                    assert f"{who} stopped answering: {fate}" in line, line
+                    assert re.search(r"; its last beat said it was (training \(epoch \d+, step \d+\)|evaluating)\.",
+                                     line), line
+            with suppress(ProcessLookupError):  # spawn's parent killed its frozen child already
+                os.kill(victims[case], signal.SIGKILL)
+            assert progress(tmp_path / str(n)) is not None
 
 
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
@@ -214,8 +271,7 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
         wait_for("training", lambda: progress(out), HANG, running=parent)
-        victim = next(pid for pid in children(parent.pid) if "MNIST_DDP_TEST_MARK" in env_of(pid)
-                      and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        victim = _spawned_workers(parent.pid)[0]
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log

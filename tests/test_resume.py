@@ -90,8 +90,8 @@ _KILL_AFTER_MID_EPOCH_SAVE = """
 import os, signal, sys
 from mnist_ddp import checkpoint, cli
 save = checkpoint.save
-def save_then_die(path, payload):
-    save(path, payload)
+def save_then_die(path, payload, **kw):
+    save(path, payload, **kw)
     if path.name == "checkpoint.pt" and payload["progress"]["epoch"] == 1 and payload["progress"]["consumed"] > 0:
         os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.save = save_then_die

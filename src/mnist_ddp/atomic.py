@@ -16,8 +16,11 @@ from typing import BinaryIO
 from .errors import WriteFailed
 
 
-def write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
-    """Replace `path` by what `fill` writes into the file it is given (one writer per file: rank 0)."""
+def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = None) -> None:
+    """Replace `path` by what `fill` writes into the file it is given (one writer per file: rank 0).
+
+    `keep`: the old `path`, if any, is renamed to `keep` first, once the new bytes are on disk. Between the
+    two renames there is no `path` for a moment, never a partial one; readers fall back to `keep` then."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     for stale in path.parent.glob(f".{path.name}.tmp-*"):
         stale.unlink(missing_ok=True)
@@ -27,6 +30,8 @@ def write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
                 fill(f)
                 f.flush()
                 os.fsync(f.fileno())
+            if keep is not None and path.exists():
+                os.replace(path, keep)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -6,13 +6,25 @@ config — plain tensors and Python values only, so `torch.load(weights_only=Tru
 reads it and a checkpoint from a stranger cannot run code. A save writes a temp file,
 fsyncs it and renames it over the old one, so a crash or a full disk mid-save leaves the
 previous checkpoint whole.
+
+Nothing a failure leaves behind is trusted: every checkpoint carries a SHA-256 digest of its
+contents (every tensor's bytes, every value, every key), checked on every load, so flipped bits
+(bit rot, an interrupted copy, a bad disk) are refused by name instead of being trained on. The
+digest covers the contents, not the zip's bytes: torch.save's CRCs are never checked on load, and
+a file whose every byte is verified says nothing about whether it unpickles to the same values.
+The run's latest checkpoint also keeps the one before it (`checkpoint.prev.pt`), which `--resume`
+falls back to when the latest is damaged, truncated, missing or another run's (`load_latest`).
 """
 
+import ctypes
+import hashlib
+import os
 import pickle
 import re
 import struct
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +35,8 @@ from . import atomic
 from .errors import UserError
 from .model import ConvNet
 
-FORMAT = "mnist-ddp/1"
+FORMAT = "mnist-ddp/2"  # carries a digest
+UNVERIFIED = "mnist-ddp/1"  # saved before digests: still loads, unverified, like a stranger's state_dict
 _PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile
 
 
@@ -46,18 +59,55 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(path: Path, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically (`atomic.write`: temp file, fsync, rename).
+def digest(obj: Any) -> str:
+    """SHA-256 of a checkpoint's contents, the same before `torch.save` and after `torch.load`: every
+    tensor's dtype, shape and bytes, every other value's repr, every key, in order (dicts keep it)."""
+    h = hashlib.sha256()
+
+    def feed(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().to("cpu").contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+            if t.numel():  # the bytes themselves, read in place (numpy is not a dependency, ctypes is built in)
+                h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+        elif isinstance(o, dict):
+            h.update(f"D{len(o)}:".encode())
+            for key, value in o.items():
+                feed(key)
+                feed(value)
+        elif isinstance(o, list | tuple):
+            h.update(f"{type(o).__name__}{len(o)}:".encode())
+            for value in o:
+                feed(value)
+        else:
+            h.update(f"{type(o).__name__}={o!r};".encode())
+    feed(obj)
+    return "sha256:" + h.hexdigest()
+
+
+def previous(path: Path) -> Path:
+    """Where the checkpoint before `path`'s is kept: checkpoint.pt -> checkpoint.prev.pt."""
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def save(path: Path, payload: dict[str, Any], keep_previous: bool = False) -> None:
+    """Write `payload` and its digest to `path` atomically (`atomic.write`: temp file, fsync, rename).
 
     Whenever the writer dies, or the disk fills up, `path` is the old checkpoint or the new one, never a mix.
+    `keep_previous`: the old one becomes `previous(path)`, renamed once the new one is safely on disk.
     """
-    atomic.write(path, lambda f: torch.save({"format": FORMAT, **payload}, f))
+    contents = {**payload, "format": FORMAT}
+    contents.pop("digest", None)  # a loaded checkpoint saved again gets a digest of what it holds now
+    contents["digest"] = digest(contents)
+    atomic.write(path, lambda f: torch.save(contents, f), keep=previous(path) if keep_previous else None)
 
 
 def load(path: Path) -> dict[str, Any]:
     """Read a checkpoint safely. A bare state_dict (the tutorial's) comes back as {"model": it}."""
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file.")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: not a PyTorch checkpoint: the file is empty (0 bytes).")
     try:
         with warnings.catch_warnings():  # a foreign pickle also draws a warning; the error below says enough
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -73,11 +123,25 @@ def load(path: Path) -> dict[str, Any]:
         # of junk bytes or an EOFError would just be noise.
         detail = f" ({str(e).strip().splitlines()[0].split('. ')[0]})" if type(e) is RuntimeError and str(e) else ""
         raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one{detail}.") from e
+    if isinstance(obj, dict) and ("digest" in obj or (str(obj.get("format")).startswith("mnist-ddp/")
+                                  and obj["format"] != UNVERIFIED)):
+        _verify(path, obj)
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         return obj
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return {"model": obj}
     raise UserError(f"{path}: holds a {type(obj).__name__}, not a model checkpoint.")
+
+
+def _verify(path: Path, obj: dict[str, Any]) -> None:
+    """Check (and remove) the digest a checkpoint of ours carries: refuse it, by name, if its contents changed."""
+    saved = obj.pop("digest", None)
+    if saved is None:
+        raise UserError(f"{path}: damaged: a checkpoint of format {obj.get('format')} without the digest it was saved "
+                        f"with, so nothing proves it whole.")
+    if digest(obj) != saved:
+        raise UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, "
+                        f"an interrupted copy or a failing disk); use an intact copy.")
 
 
 def load_resumable(path: Path) -> dict[str, Any]:
@@ -88,6 +152,51 @@ def load_resumable(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: holds model weights but no training state ({', '.join(missing)}), so a run "
                         f"cannot continue from it; use it with `evaluate`/`predict`, or start a new --out.")
     return ckpt
+
+
+def newest_intact(path: Path, check: Callable[[Path, dict[str, Any]], None] = lambda p, c: None
+                  ) -> tuple[Path | None, dict[str, Any] | None, list[UserError]]:
+    """The newest of `path` and `previous(path)` that loads, passes `check` and can be resumed, with the
+    refusals of those before it; touches nothing. (None, None, refusals) when neither can be used."""
+    refused = []
+    for candidate in (path, previous(path)):
+        if not candidate.exists():
+            continue
+        try:
+            ckpt = load_resumable(candidate)
+            check(candidate, ckpt)
+        except UserError as e:
+            refused.append(e)
+            continue
+        return candidate, ckpt, refused
+    return None, None, refused
+
+
+def load_latest(path: Path, check: Callable[[Path, dict[str, Any]], None], say: Callable[[str], None]
+                ) -> tuple[Path, dict[str, Any]] | None:
+    """What `--resume` continues from: `path`, else the checkpoint before it, saying so; None if there is
+    neither. `check` raises a UserError for a checkpoint of another run (its settings differ).
+
+    A refused `path` is renamed to `<path>.rejected` (the next save would otherwise rotate it over the good
+    previous one), its bytes kept for whoever wants to look. When neither can be used, the error names
+    both and nothing on disk changes.
+    """
+    found, ckpt, refused = newest_intact(path, check)
+    if found is None:
+        if not refused:
+            return None
+        if len(refused) == 1:
+            raise refused[0]
+        raise UserError(f"{str(refused[0]).rstrip('.')}; and the checkpoint before it cannot be used either: "
+                        f"{refused[1]}")
+    if refused:
+        aside = path.with_name(f"{path.name}.rejected")
+        os.replace(path, aside)
+        say(f"resume: {str(refused[0]).rstrip('.')}; falling back to {found}, the checkpoint saved before it "
+            f"(the refused file is kept as {aside})")
+    elif found != path:
+        say(f"resume: {path} is missing (a save was interrupted between its two renames); resuming from {found}")
+    return found, ckpt
 
 
 def load_model(path: Path) -> tuple[ConvNet, dict[str, Any]]:

@@ -85,6 +85,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--backend", choices=BACKENDS, help="collective backend (default: nccl on CUDA, else gloo)")
     g.add_argument("--timeout", type=float, default=default(TrainConfig, "timeout"),
                    help="seconds to wait for a peer (rendezvous and collectives) before failing")
+    g.add_argument("--heartbeat", type=float, default=default(TrainConfig, "heartbeat"),
+                   help="seconds between each rank's beats to the rendezvous store, so that a timeout names the rank "
+                        "that stopped answering (default %(default)s; 0: off)")
     g = p.add_argument_group("recipe (unset knobs come from --recipe)")
     g.add_argument("--recipe", default="default", choices=RECIPES,
                    help="default: AdamW + one-cycle, ~99%% MNIST in 2 epochs; tutorial: SGD lr 1e-4, as the tutorial")
@@ -192,7 +195,7 @@ def _bench_config(a: argparse.Namespace) -> BenchConfig:
 def _train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout,
+        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout, heartbeat=a.heartbeat,
         recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         sync_bn=a.sync_bn, deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,

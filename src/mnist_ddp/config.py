@@ -112,6 +112,7 @@ class TrainConfig:
     device: Device = "auto"
     backend: Backend | None = None  # None: nccl on CUDA, gloo otherwise
     timeout: float = 180.0  # seconds a collective or the rendezvous may wait for a peer
+    heartbeat: float = 1.0  # seconds between a rank's beats, so a timeout names who hangs (heartbeat.py); 0 = off
     # What to train, and how.
     recipe_name: str = "default"
     recipe: Recipe = RECIPES["default"]
@@ -144,6 +145,7 @@ class TrainConfig:
         _check(self.master_port is None or 0 <= self.master_port <= 65535,
                f"--master-port {self.master_port} is not a port number (0-65535).")
         _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
+        _check(self.heartbeat >= 0, f"--heartbeat is seconds between beats (0: off), not {self.heartbeat}.")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
         _check(self.accumulate >= 1, f"--accumulate must be at least 1 micro-batch per step, not {self.accumulate}.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")

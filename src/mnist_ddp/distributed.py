@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .errors import UserError
+from .heartbeat import BEAT_WAIT_S, LOST_CONTACT, Heartbeat
 from .identity import Identity
 
 T = TypeVar("T")
@@ -61,6 +62,12 @@ class Dist:
     local_world_size: int
     device: torch.device
     run_id: str = ""  # torchrun's job id (TORCHELASTIC_RUN_ID), recorded in checkpoints
+    heartbeat: Heartbeat | None = None  # None: one process, or --heartbeat 0
+
+    def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
+        """Say what this rank is doing, for a peer's timeout message to name (heartbeat.py); no I/O."""
+        if self.heartbeat is not None:
+            self.heartbeat.at(phase, epoch, step)
 
     @property
     def is_main(self) -> bool:
@@ -99,35 +106,54 @@ class Dist:
         return result
 
 
-def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float) -> Dist:
-    """Join the process group on `device` (one process needs none): nccl for CUDA, gloo otherwise."""
+def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,
+          heartbeat_s: float = 0) -> Dist:
+    """Join the process group on `device` (one process needs none): nccl for CUDA, gloo otherwise; with
+    `heartbeat_s`, this rank beats to the store every so many seconds (heartbeat.py)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    beat = None
     if ident.world_size > 1:
         if device.type == "mps":
             raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-        _join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s))
-    return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id)
+        beat = _join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
+                     heartbeat_s)
+    return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id, beat)
 
 
-def _join(ident: Identity, backend: str, timeout: timedelta) -> None:
+def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float) -> Heartbeat | None:
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = rendezvous.gloo_interface(ident.master_addr)
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+    beat = None
     try:
         store = rendezvous.joined_store(ident, timeout)
-        rendezvous.meet(store, ident, timeout)
+        if heartbeat_s:  # before the rendezvous, so that a collective that times out can name who hangs
+            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
+            beat = Heartbeat(dist.PrefixStore("mnist_ddp/heartbeat", beats), ident.rank, ident.world_size, heartbeat_s,
+                             store_host=0 if ident.store_host == "rank0" else None)
+        rendezvous.meet(store, ident, timeout)  # every rank arrived, or the ones that never came are named
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout)
+        if beat:
+            beat.at("setting up (data, model, checkpoint)")
+        return beat
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
         others = ident.world_size - 1
+        who = beat.diagnose() if beat else ""
+        if beat:
+            beat.stop(LOST_CONTACT, culprit=False)
         raise UserError(
             f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
             f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s "
-            f"({rendezvous.gist(e)}); check that every node was started with the same --master-addr/--master-port "
-            f"and world size, and that they can reach each other (GLOO_SOCKET_IFNAME names the network interface "
-            f"gloo should use)."
+            f"({rendezvous.gist(e)}{f': {who}' if who else ''}); check that every node was started with the same "
+            f"--master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
+            f"names the network interface gloo should use)."
         ) from e
+    except BaseException:  # interrupted: leave no thread talking to the store while the interpreter exits
+        if beat:
+            beat.stop("interrupted", culprit=False)
+        raise
 
 
 # What gloo and NCCL say when the other end of a collective died, or did not answer within --timeout.

@@ -26,13 +26,14 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, identity, outdir, rendezvous, tb, train
+from . import checkpoint, compute, distributed, heartbeat, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .identity import Identity
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
+SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)
 
 
 @contextmanager
@@ -67,7 +68,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         device = distributed.pick_device(cfg.device, ident.local_rank)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size)
-        d = distributed.setup(ident, device, cfg.backend, cfg.timeout)
+        d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat)
         finished = False
         try:
             if check_out:
@@ -79,14 +80,27 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             return 0
         except RuntimeError as e:
             if d.world_size > 1 and distributed.is_peer_failure(e):
+                who = d.heartbeat.diagnose() if d.heartbeat else ""
+                who = who or (f"one of them crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s "
+                              f"(see its log)")
                 raise PeerFailure(
-                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); one of them "
-                    f"crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s (see its log). "
-                    f"Work since the last checkpoint is lost: run again with --resume to continue from it."
+                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); {who}. Work since "
+                    f"the last checkpoint is lost: run again with --resume to continue from it."
                 ) from e
             raise
         finally:
+            if d.heartbeat:
+                d.heartbeat.stop(*_last_words(sys.exc_info()[1]))
             distributed.teardown(together=finished)
+
+
+def _last_words(e: BaseException | None) -> tuple[str, bool]:
+    """What a rank that leaves tells the others' heartbeat readers: why, and whether that failure is its own."""
+    if e is None or isinstance(e, KeyboardInterrupt | SystemExit):
+        return ("finished" if e is None else "interrupted"), False
+    if isinstance(e, PeerFailure):
+        return heartbeat.LOST_CONTACT, False
+    return rendezvous.gist(e), True
 
 
 def restarting(out: Path, ident: Identity, d: Dist) -> bool:
@@ -101,8 +115,8 @@ def restarting(out: Path, ident: Identity, d: Dist) -> bool:
     attempts = d.all_sum(torch.tensor(ident.attempt, device=d.device))  # every rank takes part, whatever it holds
     if int(attempts) == 0 or not ident.run_id:
         return False
-    path = out / "checkpoint.pt"
-    ours = d.from_main(lambda: path.is_file() and checkpoint.load(path).get("run_id") == ident.run_id)
+    # The newest intact checkpoint: a damaged checkpoint.pt is passed over for the one saved before it.
+    ours = d.from_main(lambda: (checkpoint.newest_intact(out / "checkpoint.pt")[1] or {}).get("run_id") == ident.run_id)
     if ours and d.is_main:
         print(f"restart: torchrun restarted job {ident.run_id} (restart {ident.attempt} here); continuing {out} "
               f"from its checkpoint, as --resume would", flush=True)
@@ -131,7 +145,14 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "m
     try:
         run_worker(ident, cfg)
     except UserError as e:
-        errors.put(e)
+        errors.put(e)  # in the pipe when put returns
+        if isinstance(e, PeerFailure):
+            # Leave now: the interpreter's own exit would wait on gloo's threads for up to --timeout more when a
+            # peer froze, and the parent reports nothing until every child is gone. (Nothing of value is left
+            # unwritten: outputs are written whole, and the failed stretch is what --resume redoes.)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
@@ -173,7 +194,9 @@ def spawn(cfg: TrainConfig) -> int:
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
                                       start_method="spawn")
         try:
-            while not children.join():  # returns early, stopping the rest, when one child fails
+            # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
+            # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
+            while not children.join(grace_period=SETTLE_S):
                 pass
         except mp.ProcessExitedException as e:
             rank = cfg.node_rank * cfg.gpus + e.error_index

@@ -68,19 +68,25 @@ def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
             time.sleep(0.2)
 
 
+def connect(ident: Identity, timeout: timedelta, joining: bool = True) -> dist.Store:
+    """A client connection of our own to the job's store, in this attempt's namespace: torchrun's agent keeps
+    one store for all restarts, so a restarted worker would read the addresses its dead predecessors left
+    there and fail to connect (pytorch/pytorch#135712); each attempt gets a namespace of its own.
+    `joining`: counted as one of the world's processes (TCPStore's worker count), as a rank joins once."""
+    store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size if joining else None,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store) if ident.store_host == "agent" else store
+
+
 def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
     """The rendezvous store: opened here when this is rank 0 and rank 0 hosts it, else joined as a client
     of node 0's (the spawning parent's, rank 0's, or torchrun's agent's)."""
     if ident.store_host == "agent":
-        # torchrun's agent keeps one store for all restarts, so a restarted worker would read the
-        # addresses its dead predecessors left there and fail to connect (pytorch/pytorch#135712):
-        # each attempt gets a namespace of its own.
-        store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
-        return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store)
+        return connect(ident, timeout)
     if ident.store_host == "rank0" and ident.rank == 0:
         return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
     wait_for_listener(ident, timeout)
-    store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size, is_master=False, timeout=timeout)
+    store = connect(ident, timeout)
     expected = int(store.get(WORLD_KEY))
     if expected != ident.world_size:
         raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "

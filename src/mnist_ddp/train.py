@@ -202,6 +202,7 @@ class Trainer:
         seen_here = 0
         desc = f"epoch {epoch + 1}/{r.epochs}"
         for step in self.report.bar(batches, batches.steps_per_epoch, desc, initial=batches.first):
+            d.at("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message: who hangs where
             self.schedule(self.samples_done / (r.epochs * n))
             self.opt.zero_grad(set_to_none=True)
             step_loss = accumulate(net, step, self.stats, self.scaler, d.world_size, self.amp, r.label_smoothing)
@@ -289,8 +290,10 @@ class Trainer:
         }, result.confusion, self.data.classes, self.samples_done)
 
     def _save(self, path: Path) -> None:
-        """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks)."""
+        """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks); checkpoint.pt
+        keeps the one before it as checkpoint.prev.pt, for `--resume` to fall back to."""
         if self.d.is_main:
+            self.d.at(f"saving {path.name}")
             checkpoint.save(path, {
                 "model": checkpoint.plain_module(self.model).state_dict(),
                 "optimizer": self.opt.state_dict(),
@@ -299,24 +302,28 @@ class Trainer:
                 "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
                 "micro_batches": self.train_batches.share.slots,  # the run's global batch: M micro-batches
                 "run_id": self.d.run_id,  # a torchrun restart of this same job continues it without --resume
-            })
+            }, keep_previous=path == self.ckpt_path)
 
-    def _resume(self) -> None:
-        """Continue from `<out>/checkpoint.pt` if there is one. Rank 0 reads it and sends it to all ranks,
-        so nodes without a shared file system resume too."""
-        cfg, path = self.cfg, self.ckpt_path
-        ckpt = self.d.from_main(lambda: checkpoint.load_resumable(path) if path.exists() else None)
-        if ckpt is None:
-            self.report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
-            return
-        saved = ckpt.get("config", {})
-        current = cfg.to_dict()
+    def _same_run(self, path: Path, ckpt: dict) -> None:
+        """Refuse a checkpoint of another run: one saved with other settings (or of another dataset)."""
+        saved, current = ckpt.get("config", {}), self.cfg.to_dict()
         changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
-        if saved.get("data", {}).get("dataset") not in (None, cfg.data.dataset):
+        if saved.get("data", {}).get("dataset") not in (None, self.cfg.data.dataset):
             changed.append("dataset")
         if changed:
             raise UserError(f"{path} was saved with different settings ({', '.join(changed)}); "
                             f"resume with the same settings or start a new --out.")
+
+    def _resume(self) -> None:
+        """Continue from `<out>/checkpoint.pt` if there is one (else from the intact one saved before it).
+        Rank 0 reads it and sends it to all ranks, so nodes without a shared file system resume too."""
+        cfg = self.cfg
+        found = self.d.from_main(lambda: checkpoint.load_latest(self.ckpt_path, self._same_run, self.report.say))
+        if found is None:
+            self.report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
+            return
+        path, ckpt = found
+        saved = ckpt.get("config", {})
         checkpoint.restore_model(self.model, ckpt["model"], path)
         self.opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])

@@ -1,0 +1,191 @@
+"""Which rank hangs: every rank says where it is, so that a timeout can name the one that stopped answering.
+
+A collective that times out only knows that *some* peer did not answer; at 64 ranks on 8 hosts that is
+useless. So each rank runs a small thread that, every `interval` seconds, writes one short record to the
+job's rendezvous store (the one the process group met at, under its own prefix, over a connection of its
+own): host, pid, a counter that grows with every beat, and what the rank was last doing, as the training
+loop reports it with `at` (no I/O in the loop: a new phase only wakes the thread). The thread beats while the
+main thread waits inside a collective, so a healthy rank keeps beating; a frozen (SIGSTOP) or dead one does not.
+
+When a collective or the rendezvous fails, `diagnose` reads every rank's record twice, a few beats apart:
+those whose counter did not move are the silent ones. A silent rank on this machine (the same kernel and
+pid namespace) is looked up in /proc: gone, stopped (SIGSTOP, a debugger) or alive but silent; for one on
+another machine, a survivor there writes what it saw under `fate/<rank>` while it diagnoses. A rank that
+left on purpose writes a last record saying why (`stop`), so a survivor that already gave up is not taken
+for the culprit, and a rank that failed for a reason of its own is named with it. When the store itself
+does not answer, its host (rank 0 under srun or a hand-made launch) froze or died with it, and is named
+from the roster every rank reads once at the start. No call to the store that must end can hang (`_bounded`).
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
+LOST_CONTACT = "lost contact"  # the last words of a survivor
+
+
+def _node() -> str:
+    """This kernel and pid namespace: where /proc tells about a pid of a peer that published the same."""
+    with suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/pid')}"
+    return f"{socket.gethostname()}:{os.getpid()}"  # no /proc: never the same as a peer's
+
+
+def _started(pid: int) -> str | None:
+    """The state letter and start time (clock ticks since boot) of `pid`, or None when there is no such process.
+    The start time tells a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return f"{fields[0]} {fields[19]}"
+
+
+def _fate(beat: dict) -> str:
+    """What /proc says about the process that published `beat` (it ran on this machine)."""
+    now = _started(beat["pid"])
+    if now is None or now.split()[1] != beat["start"]:
+        return "gone (its process no longer exists)"
+    state = now.split()[0]
+    return {"Z": "gone (exited, not yet reaped)", "T": "stopped (SIGSTOP, or a debugger)",
+            "t": "stopped by a debugger", "D": "alive, stuck in the kernel (waiting on a disk or a network file "
+            "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
+
+
+def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
+    """`fn()`, or None if it raised a store error or did not return within `seconds`. A TCPStore client waits
+    without end for a frozen host's answer (its timeout is not applied there), and blocks every other call on
+    the same connection meanwhile, so nothing that must end (a failing rank's last word) calls it directly."""
+    found: list[T] = []
+
+    def call() -> None:
+        with suppress(RuntimeError, OSError):  # DistStoreError is a RuntimeError: the store's host is gone
+            found.append(fn())
+    caller = threading.Thread(target=call, name="mnist-ddp heartbeat reader", daemon=True)
+    caller.start()
+    caller.join(seconds)
+    return found[0] if found else None
+
+
+class Heartbeat:
+    """This rank's beat, and the reading of everyone's when something failed."""
+
+    DIAGNOSIS_BEATS = 2.5  # a counter that did not move over this many beats is silent
+
+    def __init__(self, store: dist.Store, rank: int, world: int, interval: float, store_host: int | None) -> None:
+        """`store_host`: the rank whose process hosts the store (it dies with it), or None for a launcher's."""
+        self.store, self.rank, self.world, self.interval, self.store_host = store, rank, world, interval, store_host
+        me = _started(os.getpid())
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "node": _node(),
+                   "start": me.split()[1] if me else ""}
+        self.roster: dict[int, dict] = {}  # every rank's first record: who is where, even if the store dies later
+        self.phase = self.doing = "joining the process group"
+        self.seq = 0
+        self.stopped = self.store_silent = False
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mnist-ddp heartbeat", daemon=True)
+        self.thread.start()
+
+    def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
+        """What this rank does now: a new phase is published at once (by the thread), a new step with the next
+        beat, so the loop never waits for the store and its steps cost no I/O."""
+        self.doing = f"{phase} (epoch {epoch}, step {step})" if epoch else phase
+        if phase != self.phase:
+            self.phase = phase
+            self.wake.set()
+
+    def _beat(self, left: str | None = None, culprit: bool = False) -> None:
+        self.seq += 1
+        self.store.set(str(self.rank), json.dumps({**self.me, "seq": self.seq, "doing": self.doing, "left": left,
+                                                   "culprit": culprit}))
+
+    def _run(self) -> None:
+        while not self.stopped:
+            with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
+                self._beat()
+                if len(self.roster) < self.world:
+                    self.roster = self._read()
+            self.wake.wait(self.interval)
+            self.wake.clear()
+
+    def stop(self, left: str, culprit: bool) -> None:
+        """Stop beating, leaving a last record that says why this rank left, and whether that is a failure of
+        its own (`culprit`) rather than an echo of another's (LOST_CONTACT), a success or an interrupt."""
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=BEAT_WAIT_S)
+        if not self.store_silent:
+            _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
+        if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
+            time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
+
+    def _read(self) -> dict[int, dict]:
+        """Every rank's last record (ranks that never beat are missing)."""
+        present = [r for r in range(self.world) if self.store.check([str(r)])]
+        values = self.store.multi_get([str(r) for r in present]) if present else []
+        return {r: json.loads(v) for r, v in zip(present, values)}
+
+    def _who(self, rank: int, beat: dict) -> str:
+        return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
+
+    def diagnose(self) -> str:
+        """Name the ranks that stopped answering: host, pid, dead or frozen, what they were last doing; '' when
+        nothing points at anyone. Takes about three beats (the records are read twice), and never hangs: a
+        frozen store host leaves reads unanswered past their timeout (`_bounded`)."""
+        first = _bounded(self._read, BEAT_WAIT_S)
+        found = first and _bounded(lambda: self._diagnose(first), self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
+        if found is not None:
+            return found
+        self.store_silent = True
+        if self.store_host is None:
+            return ("the rendezvous store does not answer either, so the launcher that hosts it (torchrun's agent, "
+                    "or node 0's mnist-ddp process) is gone or frozen")
+        host = self.roster.get(self.store_host)
+        fate = _fate(host) if host and host["node"] == self.me["node"] else "gone or frozen"
+        return (f"{self._who(self.store_host, host) if host else f'rank {self.store_host}'}, which hosts the "
+                f"rendezvous store, stopped answering: {fate} (the store does not answer either)")
+
+    def _diagnose(self, first: dict[int, dict]) -> str:
+        """`diagnose`'s reading of the store, after the `first` one."""
+        for rank, beat in first.items():  # what this machine can see, for survivors elsewhere to read
+            if rank != self.rank and beat["node"] == self.me["node"]:
+                self.store.set(f"fate/{rank}", _fate(beat))
+        time.sleep(self.DIAGNOSIS_BEATS * self.interval)
+        second = self._read()
+        fates = {r: self.store.get(f"fate/{r}").decode() for r in second if self.store.check([f"fate/{r}"])}
+        silent, failed, never = [], [], [r for r in range(self.world) if r not in second]
+        for rank, beat in sorted(second.items()):
+            if beat["culprit"]:
+                failed.append(f"{self._who(rank, beat)} failed: {beat['left']}")
+            elif beat["left"] is None and first.get(rank, {}).get("seq") == beat["seq"]:
+                fate = _fate(beat) if beat["node"] == self.me["node"] else fates.get(
+                    rank, "dead or frozen, on a machine where no survivor could look")
+                silent.append(f"{self._who(rank, beat)} stopped answering: {fate}; its last beat said it was "
+                              f"{beat['doing']}")
+        named = failed + silent + [f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never "
+                                   f"reached the rendezvous store"] * bool(never)
+        return "; ".join(named) or self._odd_one_out(second)
+
+    def _odd_one_out(self, beats: dict[int, dict]) -> str:
+        """Everyone still beats: name the ranks that were doing something else than the most of them."""
+        groups: dict[str, list[int]] = {}
+        for rank, beat in beats.items():
+            groups.setdefault(beat["doing"], []).append(rank)
+        if len(groups) < 2:
+            return ""
+        common = max(groups, key=lambda doing: len(groups[doing]))
+        odd = [f"rank {r} ({beats[r]['host']}, pid {beats[r]['pid']}) was still {doing}"
+               for doing, ranks in groups.items() if doing != common for r in ranks]
+        return f"every rank still answers, but {'; '.join(odd)} while the others were {common}"
