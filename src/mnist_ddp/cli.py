@@ -30,6 +30,8 @@ from .config import (
 )
 from .errors import UserError
 
+PROFILE_STEPS = 5  # what a bare --profile profiles
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (not a usage dump) and still exit code 2."""
@@ -125,6 +127,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
     g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
                    help="TensorBoard: the train loss (mean over all ranks) and lr every STEPS optimizer steps")
+    g.add_argument("--profile", type=int, nargs="?", const=PROFILE_STEPS, metavar="STEPS",
+                   help=f"profile STEPS steps (a bare --profile: {PROFILE_STEPS}) of the first epoch after a short "
+                   "warm-up: a Chrome trace per rank, each rank's phases as a table, <out>/profile/timeline.png")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,7 +198,7 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile, sync_bn=a.sync_bn,
         deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
         target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,
-        log_every=a.log_every, **_given(out=a.out))
+        log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -71,7 +71,7 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
-        plt = _pyplot() if self.plots or self.tb is not None else None
+        plt = pyplot() if self.plots or self.tb is not None else None
         figure = _confusion_figure(plt, confusion, classes) if plt else None  # drawn once, for both
         if self.plots and figure is not None:
             self._plot(plt, figure)
@@ -102,13 +102,13 @@ class Reporter:
         ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
         fig.tight_layout()
-        _save_figure(fig, self.out / "curves.png")
+        save_figure(fig, self.out / "curves.png")
         plt.close(fig)
 
-        _save_figure(confusion_figure, self.out / "confusion.png")
+        save_figure(confusion_figure, self.out / "confusion.png")
 
 
-def _pyplot() -> Any | None:
+def pyplot() -> Any | None:
     """matplotlib's pyplot, drawing off-screen; None without matplotlib (the `plot` extra is optional)."""
     try:
         import matplotlib
@@ -135,7 +135,7 @@ def _confusion_figure(plt: Any, confusion: torch.Tensor, classes: tuple[str, ...
     return fig
 
 
-def _save_figure(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     """A plot, replaced whole like every output: a disk too full for it ends the run (`atomic.write`) rather than
     leave a broken PNG, since the checkpoint written right after it would not fit either."""
     atomic.write(path, lambda f: fig.savefig(f, format="png", dpi=100))

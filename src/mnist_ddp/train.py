@@ -38,6 +38,7 @@ from .errors import UserError
 from .evaluation import EvalResult, evaluate
 from .model import ConvNet
 from .report import Reporter
+from .timeline import StepProfiler
 
 # Settings that shape the run; resuming with any of them changed would not continue the same run.
 # The world size may change: the samples that remain are re-sharded over the new world (batches.py),
@@ -160,6 +161,7 @@ class Trainer:
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
+        self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
 
     def run(self) -> EvalResult:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
@@ -170,6 +172,7 @@ class Trainer:
             self.target_outcome = "already"
             return evaluate(self.model, self.test_batches, self.d, self.amp)
         net = wrap(self.model, self.cfg, self.d)  # what trains; `self.model` is what is scored and saved
+        self.profiler.watch(net)
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.progress.seen, time.perf_counter()
@@ -204,12 +207,14 @@ class Trainer:
         desc = f"epoch {epoch + 1}/{cfg.recipe.epochs}"
         for step, (x, y) in enumerate(self.report.bar(self.train_batches, done + steps, desc, initial=done), 1):
             self.schedule(self.samples_done / (cfg.recipe.epochs * n))
-            with autocast(d.device, self.amp):
+            with autocast(d.device, self.amp), self.profiler.phase("forward"):
                 loss = F.cross_entropy(net(x), y, label_smoothing=cfg.recipe.label_smoothing)
             self.opt.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
-            self.scaler.step(self.opt)
-            self.scaler.update()
+            with self.profiler.phase("backward"):
+                self.scaler.scale(loss).backward()  # DDP all-reduces the gradients here, once the bucket is full
+            with self.profiler.phase("optimizer"):
+                self.scaler.step(self.opt)
+                self.scaler.update()
             loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
             seen_here += len(y)
             progress.consumed = min(n, progress.consumed + global_batch)  # the padding is not a sample consumed
@@ -223,6 +228,7 @@ class Trainer:
                 seen_here = 0
                 average_buffers(self.model, d)
                 self._save(self.ckpt_path)
+            self.profiler.step(step, steps)
         self._fold(loss_sum, seen_here)
         average_buffers(self.model, d)
         sync(d.device)
