@@ -209,6 +209,10 @@ def _dispatch(argv: list[str]) -> int:
     # --help and a bad flag answer at once.
     if a.command == "train":
         cfg = _train_config(a)
+        if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
+            from . import forkserver
+
+            forkserver.start()
         from .launch import launch
 
         return launch(cfg)
