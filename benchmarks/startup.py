@@ -15,6 +15,7 @@ run, interleaved, so that a loaded machine slows both alike. Prints a table; ass
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from scaling import _netns_unavailable, two_machines
+from scaling import _netns_unavailable, _stop, two_machines
 
 SAMPLES = ("--dataset", "synthetic", "--train-samples", "60000", "--test-samples", "10000")
 RUN = ("train", *SAMPLES, "--epochs", "1", "--no-progress", "--no-plots")
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, _stop)  # namespaces deleted, runs stopped, as on Ctrl-C
     configs = list(args.configs)
     why = _netns_unavailable()
     if TWO_NAMESPACES in configs and why:
