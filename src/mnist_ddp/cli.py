@@ -126,7 +126,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
     g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
-                   help="TensorBoard: the train loss (mean over all ranks) and lr every STEPS optimizer steps")
+                   help="the train loss (mean over all ranks) and lr every STEPS optimizer steps: steps.jsonl, "
+                   "curves.png and TensorBoard")
     g.add_argument("--profile", type=int, nargs="?", const=PROFILE_STEPS, metavar="STEPS",
                    help=f"profile STEPS steps (a bare --profile: {PROFILE_STEPS}) of the first epoch after a short "
                    "warm-up: a Chrome trace per rank, each rank's phases as a table, <out>/profile/timeline.png")

@@ -130,7 +130,7 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
-    log_every: int = 20  # optimizer steps between TensorBoard's train-loss points
+    log_every: int = 20  # optimizer steps between train-loss points (steps.jsonl, curves.png, TensorBoard)
     profile: int | None = None  # --profile: steps to profile in the first epoch (timeline.py); None = off
 
     def __post_init__(self) -> None:

@@ -20,24 +20,37 @@ T = TypeVar("T")
 
 
 class Reporter:
-    """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch."""
+    """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch, and the train loss of
+    every --log-every-th step to `<out>/steps.jsonl`, one per step."""
 
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
                  tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
-        self.metrics_path = out / "metrics.jsonl"
+        self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
+        self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
 
     def begin(self, step: int) -> None:
-        """Training starts, or resumes, after `step` training samples of the run."""
-        if self.enabled and self.tensorboard:
+        """Training starts, or resumes, after `step` training samples of the run: what a lost run logged after
+        that is redone, so it is dropped (TensorBoard: its purge_step)."""
+        if not self.enabled:
+            return
+        if self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
+        if self.steps_path.exists():
+            self.logged = [point for point in _jsonl(self.steps_path) if point["samples"] <= step]
 
-    def step(self, step: int, values: dict[str, float]) -> None:
-        """Scalars of one optimizer step (the train loss and the lr), drawn at `step` samples, for TensorBoard."""
+    def steps(self, points: list[dict[str, float]]) -> None:
+        """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
+        steps.jsonl (for curves.png) and TensorBoard, at x = samples."""
+        if not (self.enabled and points):
+            return
+        self.logged += points
+        atomic.write(self.steps_path, lambda f: f.write("".join(json.dumps(p) + "\n" for p in self.logged).encode()))
         if self.tb is not None:
-            self.tb.scalars(step, values)
+            for p in points:
+                self.tb.scalars(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]})
 
     def close(self) -> None:
         if self.tb is not None:
@@ -86,26 +99,34 @@ class Reporter:
         atomic.write(self.metrics_path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
 
     def history(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return _jsonl(self.metrics_path) if self.metrics_path.exists() else []
 
     def _plot(self, plt: Any, confusion_figure: Any) -> None:
-        """curves.png and confusion.png."""
+        """curves.png (the train loss of every logged step and each epoch's losses and test accuracy, against
+        epochs: samples seen / samples per epoch) and confusion.png."""
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        ax1.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        ax1.plot([p["epoch"] for p in self.logged], [p["train_loss"] for p in self.logged], "-", alpha=0.6,
+                 label="train, every logged step")
+        ax1.plot(epochs, [r["train_loss"] for r in rows], "o", label="train, epoch mean")
         ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
-        ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+        ax1.set(xlabel="epoch (samples seen / samples per epoch)", ylabel="loss", title="loss")
         ax1.legend()
         ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
+        for ax in (ax1, ax2):
+            ax.set_xlim(0, max(epochs) + 0.05)
+            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         fig.tight_layout()
         save_figure(fig, self.out / "curves.png")
         plt.close(fig)
 
         save_figure(confusion_figure, self.out / "confusion.png")
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def pyplot() -> Any | None:

@@ -130,7 +130,9 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.d.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities)
+        # A schedule that always records: with one, torch.profiler marks each step (ProfilerStep#n) in the trace.
+        self.profiler = torch.profiler.profile(activities=activities,
+                                               schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
         self.profiler.start()
 
     def _finish(self) -> None:

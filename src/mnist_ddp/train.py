@@ -160,6 +160,7 @@ class Trainer:
         self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
+        self.logged: list[tuple[int, float, torch.Tensor]] = []  # (samples, lr, this rank's loss), every --log-every
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
 
@@ -218,7 +219,7 @@ class Trainer:
             loss_sum += loss.detach().float() * len(y)  # stays on the device: no sync per step
             seen_here += len(y)
             progress.consumed = min(n, progress.consumed + global_batch)  # the padding is not a sample consumed
-            if cfg.tensorboard and self.steps_done % cfg.log_every == 0:
+            if self.steps_done % cfg.log_every == 0:
                 self._log_step(loss)
             if step % self.check_every == 0:
                 self._stop_if_diverged()
@@ -247,10 +248,10 @@ class Trainer:
         return self.progress.epoch * len(self.data.train.labels) + self.progress.consumed
 
     def _log_step(self, loss: torch.Tensor) -> None:
-        """This step's loss averaged over the ranks (one small all-reduce: the global batch's loss, not
-        rank 0's shard's) and the lr, to TensorBoard."""
-        mean = float(self.d.all_sum(loss.detach().float().clone())) / self.d.world_size
-        self.report.step(self.samples_done, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
+        """Keep this step's loss, on the device (no sync), and lr, for curves.png and TensorBoard. The next
+        `_fold` averages the kept losses over the ranks (the global batch's loss, not rank 0's shard's) in
+        the all-reduce it does anyway: no collective of their own."""
+        self.logged.append((self.samples_done, self.opt.param_groups[0]["lr"], loss.detach().float()))
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
         """Add every rank's loss and image count since the last fold into `progress`; stop if the run diverged.
@@ -260,9 +261,13 @@ class Trainer:
         updates them), so that every rank reaches the same verdict."""
         bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
         totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
-                                             bad_stats]))
+                                             bad_stats, *(loss for _, _, loss in self.logged)]))
         self.progress.loss_sum += float(totals[0])
         self.progress.seen += int(totals[1])
+        n = len(self.data.train.labels)
+        self.report.steps([{"samples": samples, "epoch": samples / n, "train_loss": loss / self.d.world_size,
+                            "lr": lr} for (samples, lr, _), loss in zip(self.logged, totals[3:].tolist())])
+        self.logged.clear()
         self._stop_if_diverged(finite=math.isfinite(self.progress.loss_sum) and not totals[2])
 
     def _reached(self, accuracy: float) -> bool:
