@@ -109,8 +109,9 @@ class Reporter:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         ax1.plot([p["epoch"] for p in self.logged], [p["train_loss"] for p in self.logged], "-", alpha=0.6,
                  label="train, every logged step")
-        ax1.plot(epochs, [r["train_loss"] for r in rows], "o", label="train, epoch mean")
-        ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
+        ax1.hlines([r["train_loss"] for r in rows], [e - 1 for e in epochs], epochs, colors="C1",
+                   label="train, epoch mean")
+        ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", color="C2", label="test")
         ax1.set(xlabel="epoch (samples seen / samples per epoch)", ylabel="loss", title="loss")
         ax1.legend()
         ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
