@@ -214,8 +214,10 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
         wait_for("training", lambda: progress(out), HANG, running=parent)
-        victim = next(pid for pid in children(parent.pid) if "MNIST_DDP_TEST_MARK" in env_of(pid)
-                      and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        # The workers are forked from the launcher's fork server (forkserver.py), the one child of it that is.
+        server = next(pid for pid in children(parent.pid) if "MNIST_DDP_TEST_MARK" in env_of(pid)
+                      and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        victim = children(server)[0]
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log

@@ -10,7 +10,11 @@ before the launcher imports torch, so that the server's imports and the launcher
 """
 
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
+import os
+import signal
+import threading
 
 # What every child needs before its first step: the package (torch with it) and torch._dynamo.
 PRELOAD = ["mnist_ddp.launch", "torch._dynamo"]
@@ -20,3 +24,21 @@ def start() -> None:
     """Start the fork server and its imports now, in the background (nothing happens if it runs already)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def die_with_launcher() -> None:
+    """In a child: Ctrl-C itself (SIGINT, which unwinds it) when the launcher dies, however it dies.
+
+    torch's children ask the kernel for that (PR_SET_PDEATHSIG), but the kernel tells a child of its parent's
+    death, and the parent of a forked child is the fork server, which lives on as long as any child does: a
+    launcher killed with SIGKILL would leave its workers training. The launcher holds the write end of a pipe
+    to each child (multiprocessing's parent sentinel); when it dies, the pipe ends and a thread here sees it.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

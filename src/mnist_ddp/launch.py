@@ -128,6 +128,7 @@ def preflight(cfg: TrainConfig) -> None:
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
+    forkserver.die_with_launcher()
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
