@@ -274,8 +274,7 @@ def draw(plt: Any, split: dict[str, Any], path: Path) -> None:
                  f"{1e3 * statistics.mean(x['waiting'] for x in m):.2f} ms, all-reduce "
                  f"{1e3 * statistics.mean(x['all-reduce'] for x in m):.2f} ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[p]) for p in PHASES]
-    ax.legend(handles, PHASES, ncol=len(PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(ranks) - 0.2),
-              frameon=False)
-    fig.tight_layout()
+    fig.legend(handles, PHASES, ncol=len(PHASES), loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))  # room for the legend: half an inch
     save_figure(fig, path)
     plt.close(fig)

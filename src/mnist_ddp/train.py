@@ -6,7 +6,8 @@ distributed.py) and leaves it afterwards. What makes the loop distributed, in th
 - `wrap`: DDP around the model. It broadcasts rank 0's weights once, then all-reduces the
   gradients during every backward, so every rank takes the same optimizer step;
 - `set_epoch`: every rank draws the same new shuffle and takes its own shard of it (batches.py);
-- `_fold`: the ranks' loss sums and image counts, added up with one all-reduce;
+- `_fold`: the ranks' loss sums and image counts (and the losses of the logged steps), added up with
+  one all-reduce;
 - `average_buffers`: BatchNorm's running statistics, averaged over the ranks before evaluating
   and saving, so that every rank scores, and rank 0 saves, the same model;
 - `evaluate`: each rank scores its shard of the test set; one all-reduce makes it exact (evaluation.py);
