@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ class StepProfiler:
         """Time each gradient bucket's all-reduce, when `net` is DDP (`wrap` may have compiled it around it)."""
         ddp = getattr(net, "_orig_mod", net)
         if self.steps and isinstance(ddp, DDP):
-            ddp.register_comm_hook(self, _timed_allreduce)
+            ddp.register_comm_hook(self, timed_allreduce)
 
     def phase(self, name: str) -> Any:
         """A context that marks phase `name` of the current step (nothing outside the profiled steps)."""
@@ -159,7 +159,13 @@ class StepProfiler:
                         f"{self.folder}")
 
 
-def _timed_allreduce(profiler: StepProfiler, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+class BucketLog(Protocol):
+    """What `timed_allreduce` reports each bucket's times to: a StepProfiler (or a benchmark's list)."""
+
+    def bucket(self, handed_over: float, back: float) -> None: ...
+
+
+def timed_allreduce(log: BucketLog, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's own reduction, timed: each gradient times 1/world (as DDP scales them without a hook), summed
     over the ranks. The future's callback runs when the reduced bucket is back."""
     handed_over = time.perf_counter()
@@ -167,7 +173,7 @@ def _timed_allreduce(profiler: StepProfiler, bucket: dist.GradBucket) -> torch.f
     fut = dist.all_reduce(buffer, async_op=True).get_future()
 
     def back(f: torch.futures.Future) -> torch.Tensor:
-        profiler.bucket(handed_over, time.perf_counter())
+        log.bucket(handed_over, time.perf_counter())
         return f.value()[0]
     return fut.then(back)
 
