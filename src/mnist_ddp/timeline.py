@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import atomic
 from .distributed import Dist
 from .report import Reporter, pyplot, save_figure
 
@@ -48,8 +49,6 @@ WARMUP = 5  # steps before profiling
 PHASES = ("data", "forward", "backward", "all-reduce", "waiting", "optimizer", "other")
 COLOURS = {"data": "#9e9e9e", "forward": "#1f77b4", "backward": "#ff7f0e", "all-reduce": "#2ca02c",
            "waiting": "#d62728", "optimizer": "#9467bd", "other": "#e0e0e0"}
-
-Interval = tuple[float, float]
 
 
 class StepProfiler:
@@ -61,7 +60,6 @@ class StepProfiler:
         self.window: range | None = None  # the run's steps that are profiled, once the first step ended
         self.marks: list[dict[str, Any]] = []  # one per profiled step: phases and buckets, perf_counter seconds
         self.profiler: torch.profiler.profile | None = None
-        self.started = 0.0  # when the current step began
 
     @property
     def active(self) -> bool:
@@ -149,7 +147,7 @@ class StepProfiler:
             return
         split = split_steps(everyone)
         self.report.say(table(split, f"steps {self.window.start}-{self.window[-1]} of this run"))
-        (self.folder / "phases.json").write_text(json.dumps(split, indent=1))
+        atomic.write(self.folder / "phases.json", lambda f: f.write(json.dumps(split, indent=1).encode()))
         plt = pyplot()
         if plt is None:
             self.report.say("profile: matplotlib is not installed, so timeline.png was not drawn")
