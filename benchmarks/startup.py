@@ -4,7 +4,8 @@ Runs the real command (synthetic 60k/10k, generated once into a shared cache fir
 `-g 2`, `-g 4` and, as root with iproute2, two network namespaces joined by a veth pair (`-n 2 -g 2`,
 one launcher in each: two "machines"). Each run's output is read line by line as it comes: launch →
 `data:` (imports, starting the processes, the process group, reading the data) → `run:` (the model and
-its optimizer: the last line before the first step), and the run is stopped there (SIGTERM, which it
+its optimizer: the last line before the first step), with the CPU seconds its processes (node 0's) used
+until then, and the run is stopped there (SIGTERM, which it
 takes as Ctrl-C). `--src A B` compares source trees (e.g. a `git archive` of main's) run by run,
 interleaved, so that a loaded machine slows both alike. Then one whole epoch per setting, with the last
 tree, for the ratio start-up / epoch (training only, from metrics.jsonl). Prints a table; asserts nothing.
@@ -39,8 +40,23 @@ def _command(src: Path, data: Path, out: Path, extra: tuple[str, ...]) -> list[s
             "console()", *RUN, "--data-dir", str(data), "--out", str(out), *extra]
 
 
+def _session_cpu(session: int) -> float:
+    """CPU seconds used so far by the live processes of a session (a launcher, its fork server, its workers):
+    unlike wall time, hardly changed by other work on the machine."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[3]) == session:  # after ")": state ppid pgrp session ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _timed(cmd: list[str], env: dict[str, str], whole: bool) -> dict[str, float]:
-    """Seconds from launch to the `data:` and `run:` lines of one run, stopped there unless `whole`."""
+    """Seconds from launch to the `data:` and `run:` lines of one run, and the CPU seconds its processes
+    used until `run:`; stopped there unless `whole`."""
     start = time.perf_counter()
     seen: dict[str, float] = {}
     log = []
@@ -53,6 +69,8 @@ def _timed(cmd: list[str], env: dict[str, str], whole: bool) -> dict[str, float]
             mark = line.split(" ")[0]
             if mark in ("data:", "run:") and mark not in seen:
                 seen[mark] = time.perf_counter() - start
+                if mark == "run:":
+                    seen["cpu"] = _session_cpu(p.pid)
             if mark == "run:" and not whole:
                 break
     finally:
@@ -61,7 +79,7 @@ def _timed(cmd: list[str], env: dict[str, str], whole: bool) -> dict[str, float]
         p.wait(timeout=600)
     if (whole and p.returncode != 0) or len(seen) < 2:
         raise SystemExit(f"`{' '.join(cmd)}` failed (exit {p.returncode}):\n{''.join(log)}")
-    return {"data": seen["data:"], "first step": seen["run:"]}
+    return {"data": seen["data:"], "first step": seen["run:"], "cpu": seen["cpu"]}
 
 
 def _one(src: Path, config: str, data: Path, work: Path, places: list, whole: bool = False) -> dict[str, float]:
@@ -115,10 +133,11 @@ def main() -> None:
         epochs = {config: _one(args.src[-1], config, data, work, places, whole=True)["epoch"] for config in configs}
     print(f"\nmedians of {args.rounds} rounds: launch -> the data: line, -> the run: line (the first step); one "
           f"epoch's training seconds with {args.src[-1]}")
-    print(f"{'run':24s} {'source':32s} {'data':>7s} {'first step':>11s} {'epoch':>7s} {'start/epoch':>12s}")
+    print(f"{'run':24s} {'source':32s} {'data':>7s} {'first step':>11s} {'CPU s':>7s} {'epoch':>7s} "
+          f"{'start/epoch':>12s}")
     for (src, config), rows in results.items():
-        data_s, first = (statistics.median(r[k] for r in rows) for k in ("data", "first step"))
-        print(f"{config:24s} {src[-32:]:32s} {data_s:6.2f}s {first:10.2f}s {epochs[config]:6.2f}s "
+        data_s, first, cpu = (statistics.median(r[k] for r in rows) for k in ("data", "first step", "cpu"))
+        print(f"{config:24s} {src[-32:]:32s} {data_s:6.2f}s {first:10.2f}s {cpu:6.1f}s {epochs[config]:6.2f}s "
               f"{first / epochs[config]:11.2f}x")
 
 
