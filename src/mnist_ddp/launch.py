@@ -4,8 +4,8 @@
 `torch.multiprocessing.start_processes`, forked from a server that imported torch once
 (forkserver.py); process `local` gets rank R*G + local in a world of N*G. Node 0's parent
 holds the rendezvous store before it starts them, so a taken port is reported up front and
-the children can never race for it. Under torchrun or
-srun the launcher already started one process per rank and we only read who we are.
+the children can never race for it. Under torchrun or srun the launcher already started one
+process per rank and we only read who we are.
 
 Stopping is part of starting: Ctrl-C or SIGTERM unwinds every process like a
 KeyboardInterrupt (so `finally` blocks leave the process group and a checkpoint being

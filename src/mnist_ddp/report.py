@@ -47,7 +47,7 @@ class Reporter:
         if not (self.enabled and points):
             return
         self.logged += points
-        atomic.write(self.steps_path, lambda f: f.write("".join(json.dumps(p) + "\n" for p in self.logged).encode()))
+        _write_lines(self.steps_path, [json.dumps(p) for p in self.logged])
         if self.tb is not None:
             for p in points:
                 self.tb.scalars(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]})
@@ -71,8 +71,8 @@ class Reporter:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
         if not (self.enabled and self.metrics_path.exists()):
             return
-        self._write_metrics([line for line in self.metrics_path.read_text().splitlines()
-                             if line.strip() and json.loads(line)["epoch"] <= epoch])
+        _write_lines(self.metrics_path, [line for line in self.metrics_path.read_text().splitlines()
+                                         if line.strip() and json.loads(line)["epoch"] <= epoch])
 
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
         """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
@@ -80,7 +80,7 @@ class Reporter:
         if not self.enabled:
             return
         before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        self._write_metrics([*before, json.dumps(metrics)])
+        _write_lines(self.metrics_path, [*before, json.dumps(metrics)])
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
@@ -92,11 +92,6 @@ class Reporter:
             self.tb.epoch(step, metrics, figure)
         if figure is not None:
             plt.close(figure)
-
-    def _write_metrics(self, lines: list[str]) -> None:
-        """Rewrite metrics.jsonl whole (it is small), rather than append: a full disk or a kill mid-write
-        leaves the previous lines, never half a line."""
-        atomic.write(self.metrics_path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
 
     def history(self) -> list[dict[str, Any]]:
         return _jsonl(self.metrics_path) if self.metrics_path.exists() else []
@@ -124,6 +119,12 @@ class Reporter:
         plt.close(fig)
 
         save_figure(confusion_figure, self.out / "confusion.png")
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Rewrite a .jsonl file whole (they are small), rather than append: a full disk or a kill mid-write
+    leaves the previous lines, never half a line."""
+    atomic.write(path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
