@@ -17,17 +17,23 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, distributed, identity, rendezvous, train
+from mnist_ddp import compute, datasets, distributed, identity, rendezvous, timeline, train
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.model import ConvNet
 
 PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
+
+
+class _Seconds(list):
+    """Each bucket's all-reduce seconds, from the comm hook `mnist-ddp train --profile` uses."""
+
+    def bucket(self, handed_over: float, back: float) -> None:
+        self.append(back - handed_over)
 
 
 def _load(name: str) -> datasets.Dataset:
@@ -53,17 +59,9 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         model = model.to(memory_format=torch.channels_last)
     opt, schedule = train.build_optimizer(cfg.recipe, model)
     net = train.wrap(model, cfg, d)
-    reduce_seconds: list[float] = []
+    reduce_seconds = _Seconds()
     if world > 1:
-        def timed_allreduce(state: list[float], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            start = time.perf_counter()
-            fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
-
-            def done(f: torch.futures.Future) -> torch.Tensor:
-                state.append(time.perf_counter() - start)
-                return f.value()[0]
-            return fut.then(done)
-        net.register_comm_hook(reduce_seconds, timed_allreduce)
+        net.register_comm_hook(reduce_seconds, timeline.timed_allreduce)  # --profile's hook: DDP's reduction, timed
 
     def tick() -> float:
         if device.type == "cuda":

@@ -282,10 +282,12 @@ def _sh(*cmd: str, check: bool = True) -> None:
 
 
 @contextmanager
-def two_machines() -> Iterator[tuple[list[tuple[list[str], str, str]], Callable[[float | None], None]]]:
-    """Two namespaces joined by a veth pair, always deleted; yields the places and a shape(rate) function."""
-    tag = uuid.uuid4().hex[:6]
-    names, links = (f"mddp-scaling-{tag}-0", f"mddp-scaling-{tag}-1"), (f"msc{tag}a", f"msc{tag}b")
+def two_machines(net: str = NET, tag: str = "") -> Iterator[tuple[list[tuple[list[str], str, str]],
+                                                                   Callable[[float | None], None]]]:
+    """Two namespaces joined by a veth pair, always deleted; yields the places (command prefix, link,
+    address in `net`) and a shape(rate) function. `tag` (at most 12 characters) names them."""
+    tag = tag or "sc" + uuid.uuid4().hex[:6]
+    names, links = (f"mddp-{tag}-0", f"mddp-{tag}-1"), (f"m{tag}a", f"m{tag}b")
     made: list[str] = []
     try:
         for name in names:
@@ -294,7 +296,7 @@ def two_machines() -> Iterator[tuple[list[tuple[list[str], str, str]], Callable[
         _sh("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])
         for i, (name, link) in enumerate(zip(names, links)):
             _sh("ip", "link", "set", link, "netns", name)
-            _sh("ip", "-n", name, "addr", "add", f"{NET}.{i + 1}/24", "dev", link)
+            _sh("ip", "-n", name, "addr", "add", f"{net}.{i + 1}/24", "dev", link)
             _sh("ip", "-n", name, "link", "set", "lo", "up")
             _sh("ip", "-n", name, "link", "set", link, "up")
 
@@ -308,7 +310,7 @@ def two_machines() -> Iterator[tuple[list[tuple[list[str], str, str]], Callable[
                     _sh(*tc, "add", "dev", link, "root", "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
                         "latency", "100ms")
 
-        yield [(["ip", "netns", "exec", name], link, f"{NET}.{i + 1}")
+        yield [(["ip", "netns", "exec", name], link, f"{net}.{i + 1}")
                for i, (name, link) in enumerate(zip(names, links))], shape
     finally:  # deleting a namespace deletes the veth end inside it, and with it the pair
         for name in made:

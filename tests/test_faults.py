@@ -203,8 +203,10 @@ def _last_error(log: str) -> str:
 
 
 def _spawned_workers(parent: int) -> list[int]:
-    return [pid for pid in children(parent) if MARK in env_of(pid)
-            and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is."""
+    server = next(pid for pid in children(parent) if MARK in env_of(pid)
+                  and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+    return children(server)
 
 
 # case -> (launched by: hand (RANK/WORLD_SIZE, rank 0 hosts the store) or spawn (-g 3), the rank hit, the signal)

@@ -2,6 +2,7 @@
 metrics.jsonl holds, the train loss at every --log-every step, each step once after a resume, and
 only rank 0's writer; without the package the flag is refused before any process starts."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,15 @@ def _assert_epochs_match_metrics(out: Path) -> None:
     assert all(i.encoded_image_string.startswith(b"\x89PNG") and i.width > 100 for i in images)
 
 
+def _assert_steps_file_matches_events(out: Path) -> None:
+    """steps.jsonl (what curves.png draws) holds the same logged steps as TensorBoard, each once."""
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    loss = _points(_events(out), "train/loss")
+    assert [p["samples"] for p in steps] == list(loss)
+    assert [p["train_loss"] for p in steps] == pytest.approx(list(loss.values()), rel=1e-6)
+    assert [p["epoch"] for p in steps] == pytest.approx([p["samples"] / SAMPLES for p in steps])
+
+
 def test_one_process_logs_every_n_steps_and_each_epoch(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _ok(run_cli(*_train(out, "--log-every", "3"), cwd=tmp_path, env=ONE_THREAD))
@@ -61,6 +71,17 @@ def test_one_process_logs_every_n_steps_and_each_epoch(tmp_path: Path) -> None:
     assert list(_points(acc, "train/loss")) == every_3rd_step
     assert list(_points(acc, "train/lr")) == every_3rd_step
     _assert_epochs_match_metrics(out)
+    _assert_steps_file_matches_events(out)
+
+
+def test_without_tensorboard_the_logged_steps_go_to_steps_jsonl_and_curves(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with_plots = [arg for arg in tiny(epochs=2) if arg != "--no-plots"]
+    _ok(run_cli("train", *with_plots, "--log-every", "3", "--out", str(out), cwd=tmp_path, env=ONE_THREAD))
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [p["samples"] for p in steps] == [300, 600, 900, 1200, 1500]
+    assert all(0 < p["train_loss"] < 10 and p["lr"] > 0 for p in steps)
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG" and not (out / "tb").exists()
 
 
 def test_two_ranks_log_all_ranks_loss_through_rank_0_alone(tmp_path: Path) -> None:
@@ -75,6 +96,7 @@ def test_two_ranks_log_all_ranks_loss_through_rank_0_alone(tmp_path: Path) -> No
     assert len(loss) == 2 * steps
     epoch_means = [sum(loss[i:i + steps]) / steps for i in (0, steps)]
     assert epoch_means == pytest.approx([row["train_loss"] for row in metrics(out)], rel=1e-5)
+    _assert_steps_file_matches_events(out)
 
 
 def test_a_resumed_run_draws_each_step_once(tmp_path: Path) -> None:
@@ -95,6 +117,7 @@ def test_a_resumed_run_draws_each_step_once(tmp_path: Path) -> None:
     assert [after[s] for s in (300, 600)] == [before[s] for s in (300, 600)]  # epoch 1: kept, not redone
     assert all(after[s] != before[s] for s in (900, 1200, 1500))  # epoch 2 trained twice: the second one's values
     _assert_epochs_match_metrics(out)
+    _assert_steps_file_matches_events(out)
 
 
 def test_without_the_package_it_is_one_line_before_any_process_starts(tmp_path: Path) -> None:

@@ -30,6 +30,8 @@ from .config import (
 )
 from .errors import UserError
 
+PROFILE_STEPS = 5  # what a bare --profile profiles
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (not a usage dump) and still exit code 2."""
@@ -131,7 +133,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
     g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
-                   help="TensorBoard: the train loss (mean over all ranks) and lr every STEPS optimizer steps")
+                   help="the train loss (mean over all ranks) and lr every STEPS optimizer steps: steps.jsonl, "
+                   "curves.png and TensorBoard")
+    g.add_argument("--profile", type=int, nargs="?", const=PROFILE_STEPS, metavar="STEPS",
+                   help=f"profile STEPS steps (a bare --profile: {PROFILE_STEPS}) of the first epoch after a short "
+                   "warm-up: a Chrome trace per rank, each rank's phases as a table, <out>/profile/timeline.png")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,7 +206,7 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         sync_bn=a.sync_bn, deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
         target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,
-        log_every=a.log_every, **_given(out=a.out))
+        log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -211,6 +217,10 @@ def _dispatch(argv: list[str]) -> int:
     # --help and a bad flag answer at once.
     if a.command == "train":
         cfg = _train_config(a)
+        if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
+            from . import forkserver
+
+            forkserver.start()
         from .launch import launch
 
         return launch(cfg)

@@ -134,7 +134,8 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
-    log_every: int = 20  # optimizer steps between TensorBoard's train-loss points
+    log_every: int = 20  # optimizer steps between train-loss points (steps.jsonl, curves.png, TensorBoard)
+    profile: int | None = None  # --profile: steps to profile in the first epoch (timeline.py); None = off
 
     def __post_init__(self) -> None:
         _check(self.nodes >= 1, f"-n/--nodes must be at least 1, not {self.nodes}.")
@@ -149,6 +150,8 @@ class TrainConfig:
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
         _check(self.accumulate >= 1, f"--accumulate must be at least 1 micro-batch per step, not {self.accumulate}.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")
+        _check(self.profile is None or self.profile >= 1,
+               f"--profile takes a number of steps of at least 1, not {self.profile}.")
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.target_accuracy is None or 0 < self.target_accuracy <= 1,
                f"--target-accuracy is a test accuracy above 0 and at most 1 (0.99: 99%), not {self.target_accuracy}.")

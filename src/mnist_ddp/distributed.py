@@ -88,6 +88,14 @@ class Dist:
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0; None on the other ranks (used for small things)."""
+        if self.world_size == 1:
+            return [obj]
+        box = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, box, dst=0)
+        return box
+
     def from_main(self, fn: Callable[[], T]) -> T:
         """`fn()`, run on rank 0 alone, and its result on every rank. A UserError there is raised on every
         rank, so bad input only rank 0 can see (an unreadable checkpoint, an unusable --out) stops the whole

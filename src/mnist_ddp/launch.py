@@ -1,10 +1,11 @@
 """Start the training processes: ourselves, or under torchrun / MPI / SLURM.
 
-`-n N -g G -nr R` (the tutorial's flags) spawns G local processes with
-`torch.multiprocessing.spawn`; process `local` gets rank R*G + local in a world of
-N*G. Node 0's parent holds the rendezvous store before it spawns, so a taken port
-is reported up front and the children can never race for it. Under torchrun, mpirun
-or srun the launcher already started one process per rank and we only read who we are.
+`-n N -g G -nr R` (the tutorial's flags) starts G local processes with
+`torch.multiprocessing.start_processes`, forked from a server that imported torch once
+(forkserver.py); process `local` gets rank R*G + local in a world of N*G. Node 0's parent
+holds the rendezvous store before it starts them, so a taken port is reported up front and
+the children can never race for it. Under torchrun, mpirun or srun the launcher already started one
+process per rank and we only read who we are.
 
 Stopping is part of starting: Ctrl-C or SIGTERM unwinds every process like a
 KeyboardInterrupt (so `finally` blocks leave the process group and a checkpoint being
@@ -26,7 +27,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, heartbeat, identity, outdir, rendezvous, tb, train
+from . import checkpoint, compute, distributed, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
@@ -141,6 +142,7 @@ def preflight(cfg: TrainConfig) -> None:
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
+    forkserver.die_with_launcher()
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
@@ -188,11 +190,12 @@ def spawn(cfg: TrainConfig) -> int:
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
-        errors = mp.get_context("spawn").SimpleQueue()
+        forkserver.start()  # already running when started from the command line (cli.py)
+        errors = mp.get_context("forkserver").SimpleQueue()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
-                                      start_method="spawn")
+                                      start_method="forkserver")
         try:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.

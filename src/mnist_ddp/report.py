@@ -20,24 +20,37 @@ T = TypeVar("T")
 
 
 class Reporter:
-    """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch."""
+    """Rank 0's voice. Metrics go to `<out>/metrics.jsonl`, one JSON object per epoch, and the train loss of
+    every --log-every-th step to `<out>/steps.jsonl`, one per step."""
 
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
                  tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
-        self.metrics_path = out / "metrics.jsonl"
+        self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
+        self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
 
     def begin(self, step: int) -> None:
-        """Training starts, or resumes, after `step` training samples of the run."""
-        if self.enabled and self.tensorboard:
+        """Training starts, or resumes, after `step` training samples of the run: what a lost run logged after
+        that is redone, so it is dropped (TensorBoard: its purge_step)."""
+        if not self.enabled:
+            return
+        if self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
+        if self.steps_path.exists():
+            self.logged = [point for point in _jsonl(self.steps_path) if point["samples"] <= step]
 
-    def step(self, step: int, values: dict[str, float]) -> None:
-        """Scalars of one optimizer step (the train loss and the lr), drawn at `step` samples, for TensorBoard."""
+    def steps(self, points: list[dict[str, float]]) -> None:
+        """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
+        steps.jsonl (for curves.png) and TensorBoard, at x = samples."""
+        if not (self.enabled and points):
+            return
+        self.logged += points
+        _write_lines(self.steps_path, [json.dumps(p) for p in self.logged])
         if self.tb is not None:
-            self.tb.scalars(step, values)
+            for p in points:
+                self.tb.scalars(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]})
 
     def close(self) -> None:
         if self.tb is not None:
@@ -58,8 +71,8 @@ class Reporter:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
         if not (self.enabled and self.metrics_path.exists()):
             return
-        self._write_metrics([line for line in self.metrics_path.read_text().splitlines()
-                             if line.strip() and json.loads(line)["epoch"] <= epoch])
+        _write_lines(self.metrics_path, [line for line in self.metrics_path.read_text().splitlines()
+                                         if line.strip() and json.loads(line)["epoch"] <= epoch])
 
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
         """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
@@ -67,11 +80,11 @@ class Reporter:
         if not self.enabled:
             return
         before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        self._write_metrics([*before, json.dumps(metrics)])
+        _write_lines(self.metrics_path, [*before, json.dumps(metrics)])
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
-        plt = _pyplot() if self.plots or self.tb is not None else None
+        plt = pyplot() if self.plots or self.tb is not None else None
         figure = _confusion_figure(plt, confusion, classes) if plt else None  # drawn once, for both
         if self.plots and figure is not None:
             self._plot(plt, figure)
@@ -80,35 +93,45 @@ class Reporter:
         if figure is not None:
             plt.close(figure)
 
-    def _write_metrics(self, lines: list[str]) -> None:
-        """Rewrite metrics.jsonl whole (it is small), rather than append: a full disk or a kill mid-write
-        leaves the previous lines, never half a line."""
-        atomic.write(self.metrics_path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
-
     def history(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return _jsonl(self.metrics_path) if self.metrics_path.exists() else []
 
     def _plot(self, plt: Any, confusion_figure: Any) -> None:
-        """curves.png and confusion.png."""
+        """curves.png (the train loss of every logged step and each epoch's losses and test accuracy, against
+        epochs: samples seen / samples per epoch) and confusion.png."""
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        ax1.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
-        ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
-        ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        ax1.plot([p["epoch"] for p in self.logged], [p["train_loss"] for p in self.logged], "-", alpha=0.6,
+                 label="train, every logged step")
+        ax1.hlines([r["train_loss"] for r in rows], [e - 1 for e in epochs], epochs, colors="C1",
+                   label="train, epoch mean")
+        ax1.plot(epochs, [r["test_loss"] for r in rows], "o-", color="C2", label="test")
+        ax1.set(xlabel="epoch (samples seen / samples per epoch)", ylabel="loss", title="loss")
         ax1.legend()
         ax2.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
+        for ax in (ax1, ax2):
+            ax.set_xlim(0, max(epochs) + 0.05)
+            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         fig.tight_layout()
-        _save_figure(fig, self.out / "curves.png")
+        save_figure(fig, self.out / "curves.png")
         plt.close(fig)
 
-        _save_figure(confusion_figure, self.out / "confusion.png")
+        save_figure(confusion_figure, self.out / "confusion.png")
 
 
-def _pyplot() -> Any | None:
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Rewrite a .jsonl file whole (they are small), rather than append: a full disk or a kill mid-write
+    leaves the previous lines, never half a line."""
+    atomic.write(path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pyplot() -> Any | None:
     """matplotlib's pyplot, drawing off-screen; None without matplotlib (the `plot` extra is optional)."""
     try:
         import matplotlib
@@ -135,7 +158,7 @@ def _confusion_figure(plt: Any, confusion: torch.Tensor, classes: tuple[str, ...
     return fig
 
 
-def _save_figure(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     """A plot, replaced whole like every output: a disk too full for it ends the run (`atomic.write`) rather than
     leave a broken PNG, since the checkpoint written right after it would not fit either."""
     atomic.write(path, lambda f: fig.savefig(f, format="png", dpi=100))

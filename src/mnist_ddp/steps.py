@@ -16,8 +16,8 @@ each updated once per step from its own micro-batch, and a rank training K parts
 sets, and their average, are the same whatever the world.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +73,16 @@ class PartStats:
         self.sets = {p: mean.clone() for p in self.sets}
 
 
+def _untimed(name: str) -> AbstractContextManager:
+    return nullcontext()
+
+
 def accumulate(net: nn.Module, step: Step, stats: PartStats, scaler: torch.amp.GradScaler, world: int, amp: str,
-               label_smoothing: float) -> torch.Tensor:
+               label_smoothing: float, phase: Callable[[str], AbstractContextManager] = _untimed) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches of `step`; returns the sum of their losses.
 
     The gradients must have been zeroed; afterwards they hold the global batch's mean gradient on every rank.
+    `phase` times the forward and backward passes (--profile: timeline.py).
     """
     device = next(net.parameters()).device
     loss_sum = torch.zeros((), device=device)
@@ -85,8 +90,9 @@ def accumulate(net: nn.Module, step: Step, stats: PartStats, scaler: torch.amp.G
     for i, mb in enumerate(step.micro_batches):
         # DDP all-reduces the gradients during backward, unless inside no_sync: only the last part's backward does.
         with net.no_sync() if i < last and hasattr(net, "no_sync") else nullcontext():
-            with stats.use(mb.part), autocast(device, amp):
+            with stats.use(mb.part), autocast(device, amp), phase("forward"):
                 loss = F.cross_entropy(net(mb.x), mb.y, label_smoothing=label_smoothing, reduction="sum")
-            scaler.scale(loss * (world / step.samples)).backward()
+            with phase("backward"):
+                scaler.scale(loss * (world / step.samples)).backward()
         loss_sum += loss.detach().float()
     return loss_sum

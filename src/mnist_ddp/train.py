@@ -9,7 +9,8 @@ distributed.py) and leaves it afterwards. What makes the loop distributed, in th
   (M micro-batches, fixed at the first start), of which each rank takes its share (batches.py);
 - `steps.accumulate`: forward and backward of the rank's micro-batches, all but the last inside
   `no_sync`, so the gradients are all-reduced once per step;
-- `_fold`: the ranks' loss sums and image counts, added up with one all-reduce;
+- `_fold`: the ranks' loss sums and image counts (and the losses of the logged steps), added up with
+  one all-reduce;
 - `stats.average`: BatchNorm's running statistics, averaged over the ranks (and micro-batch parts)
   before evaluating and saving, so that every rank scores, and rank 0 saves, the same model;
 - `evaluate`: each rank scores its shard of the test set; one all-reduce makes it exact (evaluation.py);
@@ -40,6 +41,7 @@ from .evaluation import EvalResult, evaluate
 from .model import ConvNet
 from .report import Reporter
 from .steps import PartStats, accumulate, running_stats
+from .timeline import StepProfiler
 
 # Settings that shape the run; resuming with any of them changed would not continue the same run.
 # The world size may change: the run's global batch (M micro-batches of batch_size) is in the checkpoint,
@@ -148,7 +150,10 @@ class Trainer:
         self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
+        # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step, until the next fold
+        self.logged: list[tuple[int, float, torch.Tensor, int]] = []
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
+        self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
 
     def _share(self, share: Share) -> None:
         """Deal the run's micro-batches over this world: this rank's steps, and its BatchNorm statistics per part."""
@@ -170,6 +175,7 @@ class Trainer:
         # What trains; `self.model` is what is scored and saved.
         share = self.train_batches.share
         net = wrap(self.model, self.cfg, self.d, accumulating=share.parts > share.world)
+        self.profiler.watch(net)
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.progress.seen, time.perf_counter()
@@ -205,13 +211,15 @@ class Trainer:
             d.at("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message: who hangs where
             self.schedule(self.samples_done / (r.epochs * n))
             self.opt.zero_grad(set_to_none=True)
-            step_loss = accumulate(net, step, self.stats, self.scaler, d.world_size, self.amp, r.label_smoothing)
-            self.scaler.step(self.opt)
-            self.scaler.update()
+            step_loss = accumulate(net, step, self.stats, self.scaler, d.world_size, self.amp, r.label_smoothing,
+                                   self.profiler.phase)
+            with self.profiler.phase("optimizer"):
+                self.scaler.step(self.opt)
+                self.scaler.update()
             loss_sum += step_loss  # stays on the device: no sync per step
             seen_here += sum(len(mb.y) for mb in step.micro_batches)
             progress.consumed = min(n, progress.consumed + step.samples)  # the padding is not a sample consumed
-            if cfg.tensorboard and self.steps_done % cfg.log_every == 0:
+            if self.steps_done % cfg.log_every == 0:
                 self._log_step(step_loss, step.samples)
             if self.steps_done % self.check_every == 0:
                 self._stop_if_diverged()
@@ -220,6 +228,7 @@ class Trainer:
                 loss_sum.zero_()
                 seen_here = 0
                 self._save(self.ckpt_path)
+            self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
         self._fold(loss_sum, seen_here)
         sync(d.device)
         return time.perf_counter() - start
@@ -240,10 +249,10 @@ class Trainer:
         return self.progress.epoch * len(self.data.train.labels) + self.progress.consumed
 
     def _log_step(self, loss_sum: torch.Tensor, samples: int) -> None:
-        """This step's loss, the mean over its whole global batch (one small all-reduce: not rank 0's share
-        alone), and the lr, to TensorBoard."""
-        mean = float(self.d.all_sum(loss_sum.clone())) / samples
-        self.report.step(self.samples_done, {"train/loss": mean, "train/lr": self.opt.param_groups[0]["lr"]})
+        """Keep this step's loss sum, on the device (no sync), and lr, for curves.png and TensorBoard. The next
+        `_fold` adds the kept sums over the ranks in the all-reduce it does anyway (no collective of their own),
+        making each the mean over its step's whole global batch, not rank 0's share alone."""
+        self.logged.append((self.samples_done, self.opt.param_groups[0]["lr"], loss_sum.clone(), samples))
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
         """Average BatchNorm's statistics, add every rank's loss and image count since the last fold into
@@ -255,9 +264,13 @@ class Trainer:
         self.stats.average()
         bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
         totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
-                                             bad_stats]))
+                                             bad_stats, *(loss for _, _, loss, _ in self.logged)]))
         self.progress.loss_sum += float(totals[0])
         self.progress.seen += int(totals[1])
+        n = len(self.data.train.labels)
+        self.report.steps([{"samples": done, "epoch": done / n, "train_loss": loss / samples, "lr": lr}
+                           for (done, lr, _, samples), loss in zip(self.logged, totals[3:].tolist())])
+        self.logged.clear()
         self._stop_if_diverged(finite=math.isfinite(self.progress.loss_sum) and not totals[2])
 
     def _reached(self, accuracy: float) -> bool:

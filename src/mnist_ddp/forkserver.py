@@ -1,0 +1,44 @@
+"""Where `-g G`'s processes come from: a fork server that imported torch once, started as early as can be.
+
+A spawned child is a fresh interpreter that imports torch again (~1.5 s) and, at its first optimizer,
+torch._dynamo (~1.5 s: torch.optim imports it whatever runs), each child on its own: with four children
+on two cores that was most of the start-up. A fork server (multiprocessing's "forkserver") imports them
+once, in one process, and every child is a fork of it, with all of it already loaded: it is as clean as a
+spawned child (the server runs nothing but imports; none of torch's threads exist yet), unlike forking the
+launcher itself, which by then holds the rendezvous store and its thread. No torch here: `start` is called
+before the launcher imports torch, so that the server's imports and the launcher's run side by side.
+"""
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import signal
+import threading
+
+# What every child needs before its first step: the package (torch with it) and torch._dynamo.
+PRELOAD = ["mnist_ddp.launch", "torch._dynamo"]
+
+
+def start() -> None:
+    """Start the fork server and its imports now, in the background (nothing happens if it runs already)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def die_with_launcher() -> None:
+    """In a child: Ctrl-C itself (SIGINT, which unwinds it) when the launcher dies, however it dies.
+
+    torch's children ask the kernel for that (PR_SET_PDEATHSIG), but the kernel tells a child of its parent's
+    death, and the parent of a forked child is the fork server, which lives on as long as any child does: a
+    launcher killed with SIGKILL would leave its workers training. The launcher holds the write end of a pipe
+    to each child (multiprocessing's parent sentinel); when it dies, the pipe ends and a thread here sees it.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

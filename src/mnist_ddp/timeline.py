@@ -1,0 +1,284 @@
+"""`--profile`: what each rank did in each step, as a Chrome trace per rank and one picture of all ranks.
+
+After a short warm-up (the first steps pay one-off costs: allocations, kernel choices), a few steps of
+the first epoch are profiled. Every rank records when each phase of its step began and ended: the
+training loop marks forward, backward and the optimizer (`phase`) and each step's end (`step`); a DDP
+comm hook (`watch`) marks, for every gradient bucket, when backward handed it over and when the
+all-reduced bucket came back, which is where the all-reduce really happens. torch.profiler records the
+same steps, op by op, into `<out>/profile/rank<r>.json.gz` (each rank on its own machine's disk), which
+Perfetto (ui.perfetto.dev) and chrome://tracing open.
+
+Then rank 0 gathers every rank's marks (one collective, on every rank at the same step), splits each
+step into phases that add up to it, prints the split per rank and draws `<out>/profile/timeline.png`:
+one lane per rank, time running left to right, so that stragglers and waiting show. The split:
+- data: before a forward, fetching the batch (and setting the lr);
+- forward, optimizer: as marked;
+- backward: the backward pass, less the all-reduce it waited for at its end;
+- all-reduce: from the moment the last rank handed over its last bucket until the reduced gradients were
+  back (what the transfer itself cost);
+- waiting: from the moment this rank handed over its last bucket until the last rank did: time lost to a
+  slower peer;
+- other: the rest of the step (the loop's bookkeeping, logging, checkpoints).
+Clocks: ranks on rank 0's machine share its clock; a rank on another machine is aligned to rank 0 by the
+moment the all-reduce finished, which all ranks see within about one network hop.
+
+Profiling never changes the training: the comm hook computes what DDP computes without one (each
+gradient times 1/world, then summed over the ranks), and nothing else touches the numbers.
+"""
+
+import json
+import math
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import atomic
+from .distributed import Dist
+from .report import Reporter, pyplot, save_figure
+
+WARMUP = 5  # steps before profiling
+PHASES = ("data", "forward", "backward", "all-reduce", "waiting", "optimizer", "other")
+COLOURS = {"data": "#9e9e9e", "forward": "#1f77b4", "backward": "#ff7f0e", "all-reduce": "#2ca02c",
+           "waiting": "#d62728", "optimizer": "#9467bd", "other": "#e0e0e0"}
+
+
+class StepProfiler:
+    """Profiles `steps` steps after the warm-up; with `steps` None every method does nothing."""
+
+    def __init__(self, steps: int | None, d: Dist, report: Reporter, folder: Path) -> None:
+        self.steps, self.d, self.report, self.folder = steps, d, report, folder
+        self.done = 0  # steps ended so far, in this run
+        self.window: range | None = None  # the run's steps that are profiled, once the first step ended
+        self.marks: list[dict[str, Any]] = []  # one per profiled step: phases and buckets, perf_counter seconds
+        self.profiler: torch.profiler.profile | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.profiler is not None
+
+    def watch(self, net: nn.Module) -> None:
+        """Time each gradient bucket's all-reduce, when `net` is DDP (`wrap` may have compiled it around it)."""
+        ddp = getattr(net, "_orig_mod", net)
+        if self.steps and isinstance(ddp, DDP):
+            ddp.register_comm_hook(self, timed_allreduce)
+
+    def phase(self, name: str) -> Any:
+        """A context that marks phase `name` of the current step (nothing outside the profiled steps)."""
+        return self._mark(name) if self.active else nullcontext()
+
+    @contextmanager
+    def _mark(self, name: str) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.marks[-1]["phases"].append((name, start, self._now()))
+
+    def bucket(self, handed_over: float, back: float) -> None:
+        """One bucket's all-reduce (from the comm hook)."""
+        if self.active:
+            self.marks[-1]["buckets"].append((handed_over, back))
+
+    def step(self, step: int, steps: int) -> None:
+        """Step `step` of the `steps` of this epoch ended: start, go on or finish profiling."""
+        if not self.steps:
+            return
+        self.done += 1
+        if self.window is None:
+            self._plan(left=steps - step)
+        if self.active:
+            assert self.profiler is not None and self.window is not None
+            self.marks[-1]["end"] = self._now()
+            self.profiler.step()
+            if self.done == self.window[-1]:
+                self._finish()
+                return
+        elif self.window and self.done + 1 == self.window.start:
+            self._start()
+        if self.active:
+            self.marks.append({"start": self._now(), "phases": [], "buckets": []})
+
+    def _plan(self, left: int) -> None:
+        """Which steps to profile, after the first one, with `left` more in this epoch: all in this epoch."""
+        assert self.steps is not None
+        warmup = min(WARMUP - 1, max(left - self.steps, 0))  # the step that just ended was the first
+        self.window = range(self.done + warmup + 1, self.done + 1 + min(warmup + self.steps, left))
+        if len(self.window) < self.steps:
+            self.report.say(f"profile: this epoch has {len(self.window)} step(s) left after the warm-up, so "
+                            f"{len(self.window)} are profiled instead of {self.steps}")
+        if not self.window:
+            self.steps = None
+
+    def _now(self) -> float:
+        """perf_counter, after the device's queued work: on a GPU, phases end when their kernels do."""
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize(self.d.device)
+        return time.perf_counter()
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.d.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # A schedule that always records: with one, torch.profiler marks each step (ProfilerStep#n) in the trace.
+        self.profiler = torch.profiler.profile(activities=activities,
+                                               schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+        self.profiler.start()
+
+    def _finish(self) -> None:
+        """Write this rank's trace; rank 0 gathers every rank's marks, prints the split and draws it."""
+        assert self.profiler is not None and self.window is not None
+        self.profiler.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / f"rank{self.d.rank}.json.gz"
+        self.profiler.export_chrome_trace(str(trace))
+        self.profiler, self.steps = None, None  # done: from here on every method does nothing
+        mine = {"rank": self.d.rank, "host": socket.gethostname(), "steps": self.marks}
+        everyone = self.d.gather(mine)
+        if everyone is None:
+            return
+        split = split_steps(everyone)
+        self.report.say(table(split, f"steps {self.window.start}-{self.window[-1]} of this run"))
+        atomic.write(self.folder / "phases.json", lambda f: f.write(json.dumps(split, indent=1).encode()))
+        plt = pyplot()
+        if plt is None:
+            self.report.say("profile: matplotlib is not installed, so timeline.png was not drawn")
+        else:
+            draw(plt, split, self.folder / "timeline.png")
+        self.report.say(f"profile: Chrome traces (Perfetto, chrome://tracing), timeline.png and phases.json in "
+                        f"{self.folder}")
+
+
+class BucketLog(Protocol):
+    """What `timed_allreduce` reports each bucket's times to: a StepProfiler (or a benchmark's list)."""
+
+    def bucket(self, handed_over: float, back: float) -> None: ...
+
+
+def timed_allreduce(log: BucketLog, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own reduction, timed: each gradient times 1/world (as DDP scales them without a hook), summed
+    over the ranks. The future's callback runs when the reduced bucket is back."""
+    handed_over = time.perf_counter()
+    buffer = bucket.buffer().mul_(1 / dist.get_world_size())
+    fut = dist.all_reduce(buffer, async_op=True).get_future()
+
+    def back(f: torch.futures.Future) -> torch.Tensor:
+        log.bucket(handed_over, time.perf_counter())
+        return f.value()[0]
+    return fut.then(back)
+
+
+def split_steps(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's marks on one clock (seconds since rank 0's first profiled step began), each step cut
+    into coloured segments, and what each phase took per step (`split`, seconds; they add up to the step)."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    n = min(len(r["steps"]) for r in ranks)
+    offsets = _clock_offsets(ranks, n)
+    t0 = ranks[0]["steps"][0]["start"]
+    steps = [[_shifted(s, t0 + offset) for s in r["steps"][:n]] for r, offset in zip(ranks, offsets)]
+    # Per step, when the last rank handed over its last bucket: no all-reduce can finish before that.
+    all_ready = [max((max(b[0] for b in lane[i]["buckets"]) for lane in steps if lane[i]["buckets"]), default=0.0)
+                 for i in range(n)]
+    out = []
+    for r, offset, lane in zip(ranks, offsets, steps):
+        for i, s in enumerate(lane):
+            s["segments"] = _segments(s, all_ready[i])
+            s["split"] = dict.fromkeys(PHASES, 0.0)
+            for phase, a, b in s["segments"]:
+                s["split"][phase] += b - a
+            s["split"]["other"] = s["end"] - s["start"] - sum(s["split"].values())
+            del s["phases"]
+        out.append({"rank": r["rank"], "host": r["host"], "clock_offset": offset, "steps": lane})
+    return {"phases": PHASES, "ranks": out}
+
+
+def _clock_offsets(ranks: list[dict[str, Any]], n: int) -> list[float]:
+    """How far each rank's perf_counter is ahead of rank 0's. On rank 0's machine every process reads the
+    same clock; elsewhere, the reduced gradients are back at about the same moment on every rank."""
+    def back(r: dict[str, Any]) -> list[float]:
+        return [max((b[1] for b in s["buckets"]), default=math.nan) for s in r["steps"][:n]]
+    ours = back(ranks[0])
+    return [0.0 if r["host"] == ranks[0]["host"] else
+            statistics.median(x - y for x, y in zip(back(r), ours) if not math.isnan(x - y)) for r in ranks]
+
+
+def _shifted(step: dict[str, Any], t0: float) -> dict[str, Any]:
+    return {"start": step["start"] - t0, "end": step["end"] - t0,
+            "phases": [(name, a - t0, b - t0) for name, a, b in step["phases"]],
+            "buckets": [(a - t0, b - t0) for a, b in step["buckets"]]}
+
+
+def _segments(step: dict[str, Any], all_ready: float) -> list[tuple[str, float, float]]:
+    """The step as (phase, start, end), in order, not overlapping; gaps are `other`. Backward is cut where the
+    last bucket was handed over: after it, this rank waited for the last rank to hand over its own, then for
+    the all-reduce; buckets reduced earlier overlapped the backward pass and cost nothing here."""
+    segments: list[tuple[str, float, float]] = []
+    cursor = step["start"]
+    ready = max((b[0] for b in step["buckets"]), default=math.inf)
+    back = max((b[1] for b in step["buckets"]), default=math.inf)
+    for name, a, b in sorted(step["phases"], key=lambda p: p[1]):
+        if name == "forward" and a > cursor:
+            segments.append(("data", cursor, a))
+        if name != "backward":
+            segments.append((name, a, b))
+        else:  # backward | waiting | all-reduce | backward (DDP finishing), each clipped to [a, b]
+            cuts = [a, ready, max(ready, min(all_ready, back)), back, b]
+            cuts = [min(max(c, a), b) for c in cuts]
+            segments += [(p, x, y) for p, x, y in zip(("backward", "waiting", "all-reduce", "backward"), cuts, cuts[1:])
+                         if y > x]
+        cursor = max(cursor, b)
+    return segments
+
+
+def means(split: dict[str, Any]) -> list[dict[str, float]]:
+    """Per rank: the mean seconds per step of each phase, and of the whole step (`step`)."""
+    return [{k: statistics.mean(s["split"][k] if k != "step" else s["end"] - s["start"] for s in r["steps"])
+             for k in (*PHASES, "step")} for r in split["ranks"]]
+
+
+def table(split: dict[str, Any], which: str) -> str:
+    """The split as one table: per rank, ms per step and % of the step of each phase."""
+    lines = [f"profile: {which}, {len(split['ranks'][0]['steps'])} per rank; ms per step (% of the step)",
+             f"{'rank':>4s}" + "".join(f"{p:>15s}" for p in (*PHASES, "step"))]
+    for r, m in zip(split["ranks"], means(split)):
+        cells = [f"{1e3 * m[p]:8.2f} ({100 * m[p] / m['step']:3.0f}%)" for p in PHASES]
+        lines.append(f"{r['rank']:4d}" + "".join(f"{c:>15s}" for c in cells) + f"{1e3 * m['step']:12.2f} ms")
+    return "\n".join(lines)
+
+
+def draw(plt: Any, split: dict[str, Any], path: Path) -> None:
+    """timeline.png: a lane per rank (rank 0 on top), each step's phases in colour, step starts as ticks,
+    and under each lane a thin bar for every bucket's all-reduce in flight (the comm hook's view)."""
+    ranks = split["ranks"]
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.8 * len(ranks)))
+    for lane, r in enumerate(ranks):
+        y = len(ranks) - 1 - lane
+        for s in r["steps"]:
+            ax.broken_barh([(1e3 * s["start"], 1e3 * (s["end"] - s["start"]))], (y - 0.3, 0.6),
+                           color=COLOURS["other"])
+            for phase, a, b in s["segments"]:
+                ax.broken_barh([(1e3 * a, 1e3 * (b - a))], (y - 0.3, 0.6), color=COLOURS[phase])
+            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for a, b in s["buckets"]], (y - 0.42, 0.08),
+                           color=COLOURS["all-reduce"])
+            ax.vlines(1e3 * s["start"], y - 0.45, y + 0.45, color="black", linewidth=0.8)
+    m = means(split)
+    ax.set(yticks=range(len(ranks)), yticklabels=[f"rank {r['rank']}" for r in reversed(ranks)],
+           xlabel="ms since rank 0's first profiled step began (ticks: step starts; thin bars: each bucket's "
+                  "all-reduce in flight)",
+           title=f"{len(ranks)} rank(s), {len(ranks[0]['steps'])} steps; mean step "
+                 f"{1e3 * statistics.mean(x['step'] for x in m):.1f} ms, waiting "
+                 f"{1e3 * statistics.mean(x['waiting'] for x in m):.2f} ms, all-reduce "
+                 f"{1e3 * statistics.mean(x['all-reduce'] for x in m):.2f} ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[p]) for p in PHASES]
+    fig.legend(handles, PHASES, ncol=len(PHASES), loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))  # room for the legend: half an inch
+    save_figure(fig, path)
+    plt.close(fig)
