@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnist_ddp import compute, train
+from mnist_ddp import compute, distributed, train
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import RECIPES
 from mnist_ddp.model import ConvNet
@@ -137,6 +137,7 @@ def _worker(spec: dict) -> None:
     store = dist.TCPStore(spec["addr"], spec["port"], world, is_master=spec["host_store"],
                           timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    finished = False
     try:
         # A batch of 1,000 is 10x the work of 100: proportionally fewer steps, never under 3.
         mine = {"steps": {b: _time_steps(b, max(3, spec["steps"] * 100 // b), spec["warmup"], world)
@@ -146,8 +147,11 @@ def _worker(spec: dict) -> None:
         dist.all_gather_object(everyone, mine)
         if rank == 0:
             print(json.dumps(everyone))
+        finished = True
     finally:
-        dist.destroy_process_group()
+        # The package's teardown stops gloo's threads before the interpreter exits; without it a worker now and
+        # then aborted at exit ("terminate called without an active exception", exit -6) after its work was done.
+        distributed.teardown(together=finished)
 
 
 def _time_steps(batch: int, steps: int, warmup: int, world: int) -> dict[str, float]:
