@@ -16,11 +16,19 @@ import torch.multiprocessing as mp
 
 from mnist_ddp import checkpoint, distributed, identity, rendezvous
 from mnist_ddp.errors import UserError
+from strict_skips import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MNIST_T10K = SHARED / "data" / "mnist-t10k"
 FASHION = Path("/usr/share/datasets/fashion-mnist")
+HAS_T10K = (MNIST_T10K / "t10k-images-idx3-ubyte.gz").is_file()
+
+
+def needs_t10k(test: Callable) -> Callable:
+    """Skip `test` where the MNIST test files are not beside the checkout (the one skip CI allows)."""
+    skip = pytest.mark.skipif(not HAS_T10K, reason=f"the MNIST test files are not in {MNIST_T10K}")
+    return pytest.mark.ci_may_skip(skip(test))
 
 
 def tiny(train: int = 800, test: int = 200, epochs: int | None = 1) -> list[str]:

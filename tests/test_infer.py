@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MNIST_T10K, TINY, cli_env, metrics, run_cli
+from conftest import MNIST_T10K, TINY, cli_env, metrics, needs_t10k, run_cli
 from datafiles import ONE_THREAD, one_thread, write_idx
 from mnist_ddp import checkpoint, cli, idx, images, synthetic
 from mnist_ddp.batches import MEAN, STD
@@ -237,7 +237,7 @@ def test_a_tall_image_keeps_its_aspect_ratio(digits: tuple[torch.Tensor, torch.T
     assert (images.read_digit(tmp_path / "tall.png").int() - expected.int()).abs().max() <= 1
 
 
-@pytest.mark.skipif(not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").is_file(), reason=f"no MNIST in {MNIST_T10K}")
+@needs_t10k
 def test_real_mnist_digits_as_png_and_jpeg_predict_as_from_idx(run: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     real = idx.read(MNIST_T10K / "t10k-images-idx3-ubyte.gz", idx.IMAGES_MAGIC)[:8]

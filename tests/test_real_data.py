@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FASHION, MNIST_T10K
+from conftest import FASHION, MNIST_T10K, needs_t10k
 from datafiles import one_thread
 from mnist_ddp import cli, datasets
 from mnist_ddp.config import DataConfig
@@ -21,8 +21,6 @@ from mnist_ddp.model import ConvNet
 
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 MNIST_FIRST_TEST_LABELS = [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]
-needs_t10k = pytest.mark.skipif(not (MNIST_T10K / "t10k-images-idx3-ubyte.gz").is_file(),
-                                reason=f"the MNIST test files are not in {MNIST_T10K}")
 needs_fashion = pytest.mark.skipif(not (FASHION / "train-images-idx3-ubyte.gz").is_file(),
                                    reason=f"Fashion-MNIST is not installed in {FASHION} (apt: dataset-fashion-mnist)")
 
