@@ -159,8 +159,10 @@ class Dist:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def _refused(self, sender: int, why: str) -> PeerFailure:
-        return PeerFailure(f"rank {self.rank} refused what rank {sender} sent ({untrusted.printable(why)}): no rank "
-                           f"of this job sends that, so another process may have reached it; the job stops.")
+        """What a rank says of bytes no rank of ours sends: not bad input of the user's, so exit code 1."""
+        why = untrusted.printable(why).rstrip(".")
+        return PeerFailure(f"rank {self.rank} refused what rank {sender} sent ({why}): no rank of this job sends "
+                           f"that, so another process may have reached it; the job stops.")
 
 
 def _tensor(data: bytes, device: torch.device) -> torch.Tensor:

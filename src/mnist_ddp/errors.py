@@ -33,7 +33,7 @@ def relay(e: UserError, echo: bool = False) -> bytes:
 def relayed(raw: bytes) -> tuple[UserError, bool]:
     """`relay`'s bytes as the error to raise here, with its message (made printable) and exit code, and its echo
     flag. ValueError when the bytes are not such an error."""
-    said = untrusted.record(raw, {"message": str, "exit_code": int, "echo": bool}, limit=4000)
+    said = untrusted.record(raw, {"message": str, "exit_code": int, "echo": bool}, limit=100_000, most=1 << 20)
     if said["exit_code"] not in (1, 2):
         raise ValueError(f"exit code {said['exit_code']}, not one of ours")
     e = UserError(said["message"])

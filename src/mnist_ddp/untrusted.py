@@ -25,8 +25,8 @@ def printable(text: str, limit: int = 300) -> str:
 
 
 def text(raw: bytes, limit: int = 300) -> str:
-    """Bytes from elsewhere as printable text: UTF-8 where it is, replacement marks where it is not."""
-    return printable(raw[:limit * 4].decode("utf-8", errors="replace"), limit)
+    """Bytes from elsewhere as printable text: UTF-8 where it is, escapes (\\x80) for the bytes that are not."""
+    return printable(raw[:limit * 4].decode("utf-8", errors="backslashreplace"), limit)
 
 
 def parse(raw: bytes) -> Any:
@@ -35,12 +35,15 @@ def parse(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
         raise ValueError(f"not JSON: '{text(raw, 40)}'") from None
+    except RecursionError:  # [[[[…: json's parser recurses once per level
+        raise ValueError("JSON nested deeper than Python can read") from None
 
 
-def record(raw: bytes, fields: Mapping[str, type | tuple[type, ...]], limit: int = 300) -> dict[str, Any]:
-    """`raw` as a JSON object holding at least `fields`, each of its type; its text fields made printable (and
-    cut to `limit`). Raises ValueError saying what is wrong with it, in a few printable words."""
-    if len(raw) > MAX_VALUE:
+def record(raw: bytes, fields: Mapping[str, type | tuple[type, ...]], limit: int = 300,
+           most: int = MAX_VALUE) -> dict[str, Any]:
+    """`raw` (at `most` so many bytes) as a JSON object holding at least `fields`, each of its type; its text
+    fields made printable and cut to `limit`. Raises ValueError saying what is wrong with it, in a few words."""
+    if len(raw) > most:
         raise ValueError(f"{len(raw):,} bytes, more than any value of ours")
     obj = parse(raw)
     if not isinstance(obj, dict):
