@@ -27,9 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import progress, tiny
-from mnist_ddp import distributed, identity, launch
+from mnist_ddp import checkpoint, cli, distributed, identity, launch
 from mnist_ddp.distributed import PeerFailure
 from mnist_ddp.errors import UserError, WriteFailed
+from mnist_ddp.model import ConvNet
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 
 pytestmark = needs_proc
@@ -225,3 +226,24 @@ def test_poisoned_beats_leave_the_heartbeat_alive_and_the_diagnosis_right(tmp_pa
             f"its last beat said it was \\x1b[2J\\x1b[31mnothing") in line, line
     assert (f"unreadable beat from rank 1 (not JSON: '\\x1b[2J\\x1b[31mnot a beat'); rank 1 ({host}, pid {pids[1]}) "
             f"is stopped (SIGSTOP, or a debugger)") in line, line
+
+
+# --- a torch whose weights-only loader can be made to run code reads no file ----------------------------------
+
+@pytest.mark.parametrize("command", ["evaluate", "predict", "train --resume"])
+def test_a_torch_older_than_2_10_loads_no_file(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Under torch 2.9 (its version string: we cannot install one here), `evaluate`, `predict` and `--resume`
+    refuse to load a checkpoint, in one line that says why, exit 2. The control: this torch loads it."""
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(path, {"model": ConvNet().state_dict()})
+    assert checkpoint.load(path)["model"].keys() == ConvNet().state_dict().keys()
+    args = {"evaluate": ["evaluate", str(path)], "predict": ["predict", str(path), str(path)],
+            "train --resume": ["train", *tiny(400, 100), "--out", str(tmp_path), "--resume"]}[command]
+    monkeypatch.chdir(tmp_path)  # where training caches its synthetic data
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    assert cli.main(args) == 2
+    said = capsys.readouterr().err
+    assert said == (f"mnist-ddp: error: {path}: not loaded: PyTorch 2.9.1+cu128 is older than 2.10, and a crafted "
+                    f"file can make its weights-only loader run code (CVE-2025-32434, CVE-2026-24747); upgrade it: "
+                    f"pip install 'torch>=2.10'.\n"), said
