@@ -157,9 +157,18 @@ def _verify(path: Path, obj: dict[str, Any]) -> None:
     if saved is None:
         raise UserError(f"{path}: damaged: a checkpoint of format {obj.get('format')} without the digest it was saved "
                         f"with, so nothing proves it whole.")
-    if digest(obj) != saved:
+    if _digest_of(obj, path) != saved:
         raise UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, "
                         f"an interrupted copy or a failing disk); use an intact copy.")
+
+
+def _digest_of(obj: Any, name: str | Path) -> str:
+    """`digest(obj)` of what a file or a peer holds: values nested deeper than Python recurses (which the
+    weights-only loader builds, as it does not recurse) are one line, not a traceback."""
+    try:
+        return digest(obj)
+    except RecursionError:
+        raise UserError(f"{name}: not a checkpoint of ours: it nests values deeper than any checkpoint does.") from None
 
 
 def load_resumable(path: Path) -> dict[str, Any]:
@@ -188,10 +197,11 @@ def unpack(data: bytes) -> tuple[Path, dict[str, Any]] | None:
     """`pack`'s bytes back, read as a stranger's file is: by the weights-only loader, the digest checked."""
     name = "the checkpoint rank 0 sent"
     sent = _safe_load(io.BytesIO(data), name)
-    if sent == {}:
+    if isinstance(sent, dict) and not sent:
         return None
     if not (isinstance(sent, dict) and isinstance(sent.get("path"), str) and isinstance(sent.get("checkpoint"), dict)
-            and isinstance(sent["checkpoint"].get("model"), dict) and sent.get("digest") == digest(sent["checkpoint"])):
+            and isinstance(sent["checkpoint"].get("model"), dict)
+            and sent.get("digest") == _digest_of(sent["checkpoint"], name)):
         raise UserError(f"{name}: damaged: not a checkpoint with the digest of its contents")
     return Path(sent["path"]), _resumable(sent["checkpoint"], name)
 

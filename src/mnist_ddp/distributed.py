@@ -166,7 +166,7 @@ class Dist:
 
 
 def _tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    """`data` as a uint8 tensor on `device` (torch.frombuffer reads the bytes in place: no numpy, no copy)."""
+    """`data` as a uint8 tensor on `device` (torch.frombuffer shares a bytearray's memory: no numpy)."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
@@ -175,7 +175,6 @@ def _bytes(t: torch.Tensor) -> bytes:
     out = bytearray(t.numel())
     torch.frombuffer(out, dtype=torch.uint8).copy_(t)
     return bytes(out)
-
 
 
 def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,
