@@ -4,7 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Without an NVIDIA GPU, pin the CPU build of torch so set-up stays small and fast; with one, let pip
 # pick a CUDA build. Elsewhere, add TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU-only wheel.
-TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.2,torch==2.13.0)
+# At least 2.10, as pyproject.toml says: older weights-only loaders can be made to run code (CVE-2025-32434,
+# fixed in 2.6.0; CVE-2026-24747, fixed in 2.10.0).
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.10,torch==2.13.0)
 TORCH_INDEX ?=
 ARGS ?=
 PYTEST_ARGS ?=

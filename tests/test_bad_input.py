@@ -54,6 +54,19 @@ def _real_checkpoint_bytes(tmp: Path) -> bytes:
     return data
 
 
+def _nested_deep(folder: Path) -> bytes:
+    """A torch file whose pickle builds lists nested 100,000 deep (no Python pickler can write it: it recurses;
+    the weights-only loader reads it, as it does not): one sentence too, not a RecursionError's traceback."""
+    n = 100_000
+    pkl = (b"\x80\x02}(X\x05\x00\x00\x00model}X\x06\x00\x00\x00digestX\x01\x00\x00\x00dX\x04\x00\x00\x00deep"
+           + b"]" * n + b"a" * (n - 1) + b"u.")
+    writer = torch._C.PyTorchFileWriter(str(folder / "checkpoint.pt"))
+    for name, data in (("data.pkl", pkl), ("byteorder", b"little"), ("version", b"3\n")):
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return (folder / "checkpoint.pt").read_bytes()
+
+
 # What can sit where a checkpoint is expected; each must be refused in one sentence, by name.
 BAD_CHECKPOINTS: dict[str, tuple[Callable[[Path], bytes | None], str]] = {
     "a checkpoint of a different model": (
@@ -68,6 +81,7 @@ BAD_CHECKPOINTS: dict[str, tuple[Callable[[Path], bytes | None], str]] = {
     "a plain pickle that runs a command": (lambda d: pickle.dumps(Evil(d)), "not a PyTorch checkpoint"),
     "a torch.save'd object that runs a command": (lambda d: torch.save(Evil(d), d / "checkpoint.pt"),
                                                   "refused, loading it would import"),
+    "values nested 100,000 deep": (_nested_deep, "nests values deeper than any checkpoint does"),
 }
 
 

@@ -5,4 +5,10 @@ identity.py (who am I) → distributed.py (the process group) → batches.py (sh
 train.py (DDP wrap, the loop, rank-0 outputs) → evaluation.py (all-reduced accuracy).
 """
 
+import warnings
+
 __version__ = "0.1.0"
+
+# torch warns as it is imported when numpy is missing; nothing here needs numpy (a base install, `pip install
+# mnist-ddp`, has none), so in every process of a job those two lines would only be noise.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

@@ -14,10 +14,15 @@ digest covers the contents, not the zip's bytes: torch.save's CRCs are never che
 a file whose every byte is verified says nothing about whether it unpickles to the same values.
 The run's latest checkpoint also keeps the one before it (`checkpoint.prev.pt`), which `--resume`
 falls back to when the latest is damaged, truncated, missing or another run's (`load_latest`).
+
+Only a torch whose weights-only loader has no known way to run code reads a file (`SAFE_TORCH`). What
+rank 0 loaded reaches the other ranks the same way (`pack`, `unpack`): as torch.save bytes of tensors and
+plain values, read with the weights-only loader and checked against their digest — never re-pickled.
 """
 
 import ctypes
 import hashlib
+import io
 import os
 import pickle
 import re
@@ -38,6 +43,9 @@ from .model import ConvNet
 FORMAT = "mnist-ddp/2"  # carries a digest
 UNVERIFIED = "mnist-ddp/1"  # saved before digests: still loads, unverified, like a stranger's state_dict
 _PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile
+# Before 2.6.0 (CVE-2025-32434) and 2.10.0 (CVE-2026-24747) a crafted file could make torch.load's weights-only
+# unpickler run code; pyproject.toml requires torch>=2.10 too, this also covers a torch installed around pip.
+SAFE_TORCH = (2, 10)
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -102,27 +110,37 @@ def save(path: Path, payload: dict[str, Any], keep_previous: bool = False) -> No
     atomic.write(path, lambda f: torch.save(contents, f), keep=previous(path) if keep_previous else None)
 
 
+def _safe_load(source: Path | io.BytesIO, name: str | Path) -> Any:
+    """`torch.load(weights_only=True)` of `source`; a refusal, or bytes it cannot read, is one line naming `name`."""
+    version = tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2])
+    if version < SAFE_TORCH:
+        raise UserError(f"{name}: not loaded: PyTorch {torch.__version__} is older than 2.10, and a crafted file can "
+                        f"make its weights-only loader run code (CVE-2025-32434, CVE-2026-24747); upgrade it: "
+                        f"pip install 'torch>=2.10'.")
+    try:
+        with warnings.catch_warnings():  # a foreign pickle also draws a warning; the error below says enough
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        wants = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(e))  # the weights-only unpickler names the import
+        if wants:
+            raise UserError(f"{name}: refused, loading it would import {wants.group(1)} and could run code; only "
+                            f"checkpoints of tensors and plain values are accepted.") from e
+        raise UserError(f"{name}: not a PyTorch checkpoint (a pickle the weights-only loader cannot read).") from e
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
+        # Only torch's own messages say something (e.g. "failed finding central directory"); a KeyError
+        # of junk bytes or an EOFError would just be noise.
+        detail = f" ({str(e).strip().splitlines()[0].split('. ')[0]})" if type(e) is RuntimeError and str(e) else ""
+        raise UserError(f"{name}: not a PyTorch checkpoint, or a truncated one{detail}.") from e
+
+
 def load(path: Path) -> dict[str, Any]:
     """Read a checkpoint safely. A bare state_dict (the tutorial's) comes back as {"model": it}."""
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file.")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: not a PyTorch checkpoint: the file is empty (0 bytes).")
-    try:
-        with warnings.catch_warnings():  # a foreign pickle also draws a warning; the error below says enough
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        wants = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(e))  # the weights-only unpickler names the import
-        if wants:
-            raise UserError(f"{path}: refused, loading it would import {wants.group(1)} and could run code; only "
-                            f"checkpoints of tensors and plain values are accepted.") from e
-        raise UserError(f"{path}: not a PyTorch checkpoint (a pickle the weights-only loader cannot read).") from e
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
-        # Only torch's own messages say something (e.g. "failed finding central directory"); a KeyError
-        # of junk bytes or an EOFError would just be noise.
-        detail = f" ({str(e).strip().splitlines()[0].split('. ')[0]})" if type(e) is RuntimeError and str(e) else ""
-        raise UserError(f"{path}: not a PyTorch checkpoint, or a truncated one{detail}.") from e
+    obj = _safe_load(path, path)
     if isinstance(obj, dict) and ("digest" in obj or (str(obj.get("format")).startswith("mnist-ddp/")
                                   and obj["format"] != UNVERIFIED)):
         _verify(path, obj)
@@ -139,19 +157,53 @@ def _verify(path: Path, obj: dict[str, Any]) -> None:
     if saved is None:
         raise UserError(f"{path}: damaged: a checkpoint of format {obj.get('format')} without the digest it was saved "
                         f"with, so nothing proves it whole.")
-    if digest(obj) != saved:
+    if _digest_of(obj, path) != saved:
         raise UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, "
                         f"an interrupted copy or a failing disk); use an intact copy.")
 
 
+def _digest_of(obj: Any, name: str | Path) -> str:
+    """`digest(obj)` of what a file or a peer holds: values nested deeper than Python recurses (which the
+    weights-only loader builds, as it does not recurse) are one line, not a traceback."""
+    try:
+        return digest(obj)
+    except RecursionError:
+        raise UserError(f"{name}: not a checkpoint of ours: it nests values deeper than any checkpoint does.") from None
+
+
 def load_resumable(path: Path) -> dict[str, Any]:
     """A checkpoint that `--resume` can continue: ours, with optimizer and progress, not bare weights."""
-    ckpt = load(path)
+    return _resumable(load(path), path)
+
+
+def _resumable(ckpt: dict[str, Any], name: str | Path) -> dict[str, Any]:
     missing = [k for k in ("optimizer", "progress", "rng") if k not in ckpt]
     if missing:
-        raise UserError(f"{path}: holds model weights but no training state ({', '.join(missing)}), so a run "
+        raise UserError(f"{name}: holds model weights but no training state ({', '.join(missing)}), so a run "
                         f"cannot continue from it; use it with `evaluate`/`predict`, or start a new --out.")
     return ckpt
+
+
+def pack(found: tuple[Path, dict[str, Any]] | None) -> bytes:
+    """What `load_latest` found, as bytes for the other ranks (`Dist.from_main`): torch.save of its tensors and
+    plain values (all that a weights-only load gave) and their digest, so that every rank checks what it got."""
+    buffer = io.BytesIO()
+    torch.save({} if found is None else {"path": str(found[0]), "checkpoint": found[1], "digest": digest(found[1])},
+               buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> tuple[Path, dict[str, Any]] | None:
+    """`pack`'s bytes back, read as a stranger's file is: by the weights-only loader, the digest checked."""
+    name = "the checkpoint rank 0 sent"
+    sent = _safe_load(io.BytesIO(data), name)
+    if isinstance(sent, dict) and not sent:
+        return None
+    if not (isinstance(sent, dict) and isinstance(sent.get("path"), str) and isinstance(sent.get("checkpoint"), dict)
+            and isinstance(sent["checkpoint"].get("model"), dict)
+            and sent.get("digest") == _digest_of(sent["checkpoint"], name)):
+        raise UserError(f"{name}: damaged: not a checkpoint with the digest of its contents")
+    return Path(sent["path"]), _resumable(sent["checkpoint"], name)
 
 
 def newest_intact(path: Path, check: Callable[[Path, dict[str, Any]], None] = lambda p, c: None

@@ -5,9 +5,16 @@ rank, world size and device, with the few collectives the training loop needs â€
 joining the process group (`init_process_group`). Every launcher ends in the same `Dist`,
 so the training loop has a single code path; with one process there is no process group
 at all and the collectives are no-ops. `teardown` leaves the group, always.
+
+What ranks share crosses the network as bytes in uint8 tensors, never as pickles: torch's object
+collectives (broadcast_object_list, gather_object) unpickle whatever arrives with the full unpickler, so
+whoever could pose as rank 0 would run code on every rank (and they need numpy, which a base install
+lacks). Rank 0's result travels as JSON, or as a checkpoint the weights-only loader reads and its digest
+checks (checkpoint.pack); what cannot be read is refused in one line.
 """
 
 import gc
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +24,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import rendezvous
+from . import errors, rendezvous, untrusted
 from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, LOST_CONTACT, Heartbeat
 from .identity import Identity
 
 T = TypeVar("T")
+MAX_SHARED = 64 * 2**20  # bytes: what one rank may send the others (a checkpoint is ~0.4 MB)
 
 
 class PeerFailure(UserError):
@@ -80,38 +88,93 @@ class Dist:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (used for small things: a checkpoint, an error)."""
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj`, in rank order, on rank 0; None on the other ranks (used for small things)."""
-        if self.world_size == 1:
-            return [obj]
-        box = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, box, dst=0)
-        return box
-
-    def from_main(self, fn: Callable[[], T]) -> T:
-        """`fn()`, run on rank 0 alone, and its result on every rank. A UserError there is raised on every
-        rank, so bad input only rank 0 can see (an unreadable checkpoint, an unusable --out) stops the whole
-        job at once, instead of leaving the other ranks waiting for rank 0 until --timeout."""
+    def from_main(self, fn: Callable[[], T], encode: Callable[[T], bytes] = lambda v: json.dumps(v).encode(),
+                  decode: Callable[[bytes], T] = untrusted.parse) -> T:
+        """`fn()`, run on rank 0 alone, and its result on every rank: `encode`d there (JSON unless told), sent
+        as bytes, `decode`d on the others (checkpoint.pack and unpack for a checkpoint). A UserError there is
+        raised on every rank, so bad input only rank 0 can see (an unreadable checkpoint, an unusable --out)
+        stops the whole job at once, instead of leaving the other ranks waiting for rank 0 until --timeout."""
         if self.world_size == 1:
             return fn()
-        result, error = None, None
         if self.is_main:
             try:
                 result = fn()
             except UserError as e:
-                error = str(e)
-        result, error = self.broadcast((result, error))
-        if error is not None:
-            raise UserError(error)
-        return result
+                self.broadcast(b"E" + errors.relay(e))
+                raise
+            self.broadcast(b"R" + encode(result))
+            return result
+        sent = self.broadcast(b"")
+        kind, body = sent[:1], sent[1:]
+        try:
+            if kind == b"R":
+                return decode(body)
+            if kind != b"E":
+                raise ValueError("neither a result nor an error")
+            error, _ = errors.relayed(body)
+        except (ValueError, UserError) as e:  # untrusted.parse raises ValueError, checkpoint.unpack UserError
+            raise self._refused(0, str(e)) from None
+        raise error
+
+    def broadcast(self, data: bytes) -> bytes:
+        """Rank 0's `data` on every rank (what the others pass is ignored): its length, then its bytes."""
+        if self.world_size == 1:
+            return data
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._wire)
+        dist.broadcast(size, src=0)
+        n = int(size)
+        if not self.is_main and not 0 < n <= MAX_SHARED:
+            raise self._refused(0, f"it announced {n:,} bytes")
+        box = _tensor(data, self._wire) if self.is_main else torch.empty(n, dtype=torch.uint8, device=self._wire)
+        dist.broadcast(box, src=0)
+        return data if self.is_main else _bytes(box)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` (plain values: JSON), in rank order, on rank 0; None on the other ranks."""
+        if self.world_size == 1:
+            return [obj]
+        data = json.dumps(obj).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self._wire) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self._wire))
+        lengths = [int(s) for s in sizes]
+        for rank, n in enumerate(lengths):
+            if rank != self.rank and not 0 < n <= MAX_SHARED:
+                raise self._refused(rank, f"it announced {n:,} bytes")
+        longest = max(lengths)
+        boxes = [torch.empty(longest, dtype=torch.uint8, device=self._wire) for _ in lengths] if self.is_main else None
+        dist.gather(_tensor(data.ljust(longest), self._wire), boxes, dst=0)
+        if boxes is None:
+            return None
+        found = []
+        for rank, (box, n) in enumerate(zip(boxes, lengths)):
+            try:
+                found.append(untrusted.parse(_bytes(box[:n])))
+            except ValueError as e:
+                raise self._refused(rank, str(e)) from None
+        return found
+
+    @property
+    def _wire(self) -> torch.device:
+        """Where a collective's tensors live: nccl moves CUDA tensors only."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _refused(self, sender: int, why: str) -> PeerFailure:
+        """What a rank says of bytes no rank of ours sends: not bad input of the user's, so exit code 1."""
+        why = untrusted.printable(why).rstrip(".")
+        return PeerFailure(f"rank {self.rank} refused what rank {sender} sent ({why}): no rank of this job sends "
+                           f"that, so another process may have reached it; the job stops.")
+
+
+def _tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    """`data` as a uint8 tensor on `device` (torch.frombuffer shares a bytearray's memory: no numpy)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes: copied into a bytearray that a CPU tensor shares (torch.frombuffer), no numpy."""
+    out = bytearray(t.numel())
+    torch.frombuffer(out, dtype=torch.uint8).copy_(t)
+    return bytes(out)
 
 
 def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,

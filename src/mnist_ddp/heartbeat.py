@@ -15,6 +15,8 @@ left on purpose writes a last record saying why (`stop`), so a survivor that alr
 for the culprit, and a rank that failed for a reason of its own is named with it. When the store itself
 does not answer, its host (rank 0 under srun or a hand-made launch) froze or died with it, and is named
 from the roster every rank reads once at the start. No call to the store that must end can hang (`_bounded`).
+Anyone who reaches the store can write these keys, so a record is read as untrusted input (untrusted.py): one
+that is not a beat of ours is an *unreadable beat from rank N*, said as such, and never stops the thread.
 """
 
 import json
@@ -29,9 +31,14 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from . import untrusted
+
 T = TypeVar("T")
 BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
 LOST_CONTACT = "lost contact"  # the last words of a survivor
+# What a beat holds (`Heartbeat._beat`); a record without these, of these types, is no beat of ours.
+BEAT = {"host": str, "pid": int, "node": str, "start": str, "seq": int, "doing": str, "left": (str, type(None)),
+        "culprit": bool}
 
 
 def _node() -> str:
@@ -116,7 +123,7 @@ class Heartbeat:
             with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
                 self._beat()
                 if len(self.roster) < self.world:
-                    self.roster = self._read()
+                    self.roster = {**self._read()[0], **self.roster}
             self.wake.wait(self.interval)
             self.wake.clear()
 
@@ -131,11 +138,18 @@ class Heartbeat:
         if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
 
-    def _read(self) -> dict[int, dict]:
-        """Every rank's last record (ranks that never beat are missing)."""
+    def _read(self) -> tuple[dict[int, dict], dict[int, str]]:
+        """Every rank's last record (ranks that never beat are missing), and why those that are not a beat of
+        ours cannot be read."""
         present = [r for r in range(self.world) if self.store.check([str(r)])]
         values = self.store.multi_get([str(r) for r in present]) if present else []
-        return {r: json.loads(v) for r, v in zip(present, values)}
+        beats, unreadable = {}, {}
+        for rank, value in zip(present, values):
+            try:
+                beats[rank] = untrusted.record(value, BEAT)
+            except ValueError as e:
+                unreadable[rank] = str(e)
+        return beats, unreadable
 
     def _who(self, rank: int, beat: dict) -> str:
         return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
@@ -145,7 +159,8 @@ class Heartbeat:
         nothing points at anyone. Takes about three beats (the records are read twice), and never hangs: a
         frozen store host leaves reads unanswered past their timeout (`_bounded`)."""
         first = _bounded(self._read, BEAT_WAIT_S)
-        found = first and _bounded(lambda: self._diagnose(first), self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
+        found = first and _bounded(lambda: self._diagnose(first[0]),
+                                   self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
         if found is not None:
             return found
         self.store_silent = True
@@ -163,9 +178,10 @@ class Heartbeat:
             if rank != self.rank and beat["node"] == self.me["node"]:
                 self.store.set(f"fate/{rank}", _fate(beat))
         time.sleep(self.DIAGNOSIS_BEATS * self.interval)
-        second = self._read()
-        fates = {r: self.store.get(f"fate/{r}").decode() for r in second if self.store.check([f"fate/{r}"])}
-        silent, failed, never = [], [], [r for r in range(self.world) if r not in second]
+        second, unreadable = self._read()
+        fates = {r: untrusted.text(self.store.get(f"fate/{r}")) for r in second if self.store.check([f"fate/{r}"])}
+        silent, failed = [], []
+        never = [r for r in range(self.world) if r not in second and r not in unreadable]
         for rank, beat in sorted(second.items()):
             if beat["culprit"]:
                 failed.append(f"{self._who(rank, beat)} failed: {beat['left']}")
@@ -174,9 +190,20 @@ class Heartbeat:
                     rank, "dead or frozen, on a machine where no survivor could look")
                 silent.append(f"{self._who(rank, beat)} stopped answering: {fate}; its last beat said it was "
                               f"{beat['doing']}")
-        named = failed + silent + [f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never "
-                                   f"reached the rendezvous store"] * bool(never)
+        garbled = [self._unreadable(rank, why) for rank, why in sorted(unreadable.items()) if rank != self.rank]
+        named = failed + silent + garbled + [f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} "
+                                             f"never reached the rendezvous store"] * bool(never)
         return "; ".join(named) or self._odd_one_out(second)
+
+    def _unreadable(self, rank: int, why: str) -> str:
+        """A rank whose record is no beat of ours (someone else wrote its key), with what the roster and /proc
+        still tell about its process."""
+        said = f"unreadable beat from rank {rank} ({why})"
+        known = self.roster.get(rank)
+        if known is None:
+            return said
+        where = _fate(known) if known["node"] == self.me["node"] else "on another machine"
+        return f"{said}; {self._who(rank, known)} is {where}"
 
     def _odd_one_out(self, beats: dict[int, dict]) -> str:
         """Everyone still beats: name the ranks that were doing something else than the most of them."""

@@ -27,7 +27,7 @@ from types import FrameType
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
+from . import checkpoint, compute, distributed, errors, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
@@ -140,14 +140,41 @@ def preflight(cfg: TrainConfig) -> None:
         tb.check_installed()
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
+class ErrorPipe:
+    """How spawned children hand their errors to the parent: as JSON (`errors.relay`) over a pipe, which the
+    parent reads with recv_bytes — not as exception objects, which the parent would have to unpickle."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("forkserver")
+        self.reader, self.writer = ctx.Pipe(duplex=False)
+        self.lock = ctx.Lock()  # one child's message at a time
+
+    def put(self, e: UserError) -> None:
+        """In a child: send `e`; it is in the pipe when put returns."""
+        with self.lock:
+            self.writer.send_bytes(errors.relay(e, echo=isinstance(e, PeerFailure)))
+
+    def cause(self) -> UserError | None:
+        """In the parent: of the children's errors, the one that started it (None if none sent one). A PeerFailure
+        only echoes another rank's failure (rank 0 that could not write a checkpoint, and the rank that then lost
+        contact with it, both report)."""
+        found = []
+        while self.reader.poll():
+            try:
+                found.append(errors.relayed(self.reader.recv_bytes()))
+            except ValueError as why:
+                found.append((PeerFailure(f"a worker sent the launcher an unreadable error ({why})"), False))
+        return next((e for e, echo in found if not echo), found[0][0]) if found else None
+
+
+def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
     except UserError as e:
-        errors.put(e)  # in the pipe when put returns
+        reports.put(e)
         if isinstance(e, PeerFailure):
             # Leave now: the interpreter's own exit would wait on gloo's threads for up to --timeout more when a
             # peer froze, and the parent reports nothing until every child is gone. (Nothing of value is left
@@ -173,15 +200,6 @@ def _stop(children: mp.ProcessContext) -> None:
             p.join()
 
 
-def _cause(errors: "mp.SimpleQueue") -> UserError:
-    """Of the children's errors, the one that started it: a PeerFailure only echoes another rank's failure
-    (rank 0 that could not write a checkpoint, and the rank that then lost contact with it, both report)."""
-    found = []
-    while not errors.empty():
-        found.append(errors.get())
-    return next((e for e in found if not isinstance(e, PeerFailure)), found[0])
-
-
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
     addr = cfg.master_addr or "127.0.0.1"
@@ -191,10 +209,10 @@ def spawn(cfg: TrainConfig) -> int:
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
         forkserver.start()  # already running when started from the command line (cli.py)
-        errors = mp.get_context("forkserver").SimpleQueue()
+        reports = ErrorPipe()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports), nprocs=cfg.gpus, join=False,
                                       start_method="forkserver")
         try:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
@@ -207,8 +225,9 @@ def spawn(cfg: TrainConfig) -> int:
                 raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}; the other "
                                   f"processes were stopped. Run again with --resume to continue from the last "
                                   f"checkpoint.") from None
-            if not errors.empty():
-                raise _cause(errors) from None
+            cause = reports.cause()
+            if cause is not None:
+                raise cause from None
             if e.exit_code == 130 or e.signal_name:
                 raise KeyboardInterrupt from None
             raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import untrusted
 from .errors import UserError
 from .identity import Identity
 
@@ -87,7 +88,7 @@ def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
         return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
     wait_for_listener(ident, timeout)
     store = connect(ident, timeout)
-    expected = int(store.get(WORLD_KEY))
+    expected = untrusted.count(store.get(WORLD_KEY), "the world size in the store")  # anyone can write it
     if expected != ident.world_size:
         raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "
                         f"{ident.world_size}; give every node the same -n and -g (or the same number of tasks).")

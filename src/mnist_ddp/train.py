@@ -331,7 +331,8 @@ class Trainer:
         """Continue from `<out>/checkpoint.pt` if there is one (else from the intact one saved before it).
         Rank 0 reads it and sends it to all ranks, so nodes without a shared file system resume too."""
         cfg = self.cfg
-        found = self.d.from_main(lambda: checkpoint.load_latest(self.ckpt_path, self._same_run, self.report.say))
+        found = self.d.from_main(lambda: checkpoint.load_latest(self.ckpt_path, self._same_run, self.report.say),
+                                 checkpoint.pack, checkpoint.unpack)
         if found is None:
             self.report.say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
             return
