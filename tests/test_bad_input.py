@@ -119,8 +119,8 @@ CASES: dict[str, Case] = {
                        mp.setattr(torch.cuda, "device_count", lambda: 1),
                        [*TRAIN, "-g", "2", "--out", str(d / "o")])[-1],
         "-g/--gpus 2 asks for more GPUs than the 1 visible"),
-    "--sync-bn on a machine without CUDA": Case(lambda d, mp: [*TRAIN, "--sync-bn", "--out", str(d / "o")],
-                                                "--sync-bn needs CUDA"),
+    "--sync-bn on the CPU": Case(lambda d, mp: [*TRAIN, "--device", "cpu", "--sync-bn", "--out", str(d / "o")],
+                                 "--sync-bn needs CUDA"),
     "--out under a regular file": Case(
         lambda d, mp: ((d / "notes.txt").write_text("precious"), [*TRAIN, "--out", str(d / "notes.txt" / "run")])[-1],
         "is not a writable folder"),
