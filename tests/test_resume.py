@@ -1,15 +1,14 @@
 """Resume: a run killed and continued with --resume ends with the very weights of an uninterrupted run.
 
 The reference run A trains 2 epochs straight through. Run B is SIGKILLed (no chance to clean
-up) once its checkpoint says one epoch is done, then continued; run C is killed right after a
-mid-epoch checkpoint (`--checkpoint-every`) and continued. Both must end where A ended.
+up) three steps into epoch 2, whose checkpoint is not written yet, then continued; run C is killed right
+after a mid-epoch checkpoint (`--checkpoint-every`) and continued. Both must end where A ended. The kills
+come from inside the run (`_KILLED`), at exactly those points, not from a poll racing the training.
 """
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,24 +55,47 @@ def _assert_trained_only_epoch_2(stdout: str) -> None:
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch ")] == ["2/2"], stdout
 
 
-def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
+# `mnist-ddp` that SIGKILLs itself at an exact point of its second epoch, where a crash hurts most:
+# "mid-epoch": the moment its first mid-epoch checkpoint (--checkpoint-every) is on disk;
+# "3 steps into epoch 2": after the third optimizer step of epoch 2, its checkpoint not yet written.
+_KILLED = """
+import os, signal, sys
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from mnist_ddp import checkpoint, cli
+when, argv = sys.argv[1], sys.argv[2:]
+save, epoch_2 = checkpoint.save, []
+def die(why):
+    print("killed " + why, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+def save_then_die(path, payload, **kw):
+    save(path, payload, **kw)
+    if path.name == "checkpoint.pt" and payload["progress"]["epoch"] == 1:
+        epoch_2.append(0)  # epoch 1 is saved: epoch 2 begins
+        if when == "mid-epoch" and payload["progress"]["consumed"] > 0:
+            die("mid-epoch")
+def count_steps(optimizer, args, kwargs):
+    if epoch_2 and when == "3 steps into epoch 2":
+        epoch_2[0] += 1
+        if epoch_2[0] == 3:
+            die("3 steps into epoch 2")
+checkpoint.save = save_then_die
+register_optimizer_step_post_hook(count_steps)
+sys.exit(cli.main(argv))
+"""
+
+
+def _killed(when: str, *argv: str) -> None:
+    """Run `mnist-ddp ARGV`, SIGKILLed by `_KILLED` at `when`."""
+    r = subprocess.run([sys.executable, "-c", _KILLED, when, *argv], cwd=Path(argv[argv.index("--out") + 1]).parent,
+                       env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
+    assert r.returncode == -signal.SIGKILL and f"killed {when}" in r.stderr, r.stderr
+
+
+def test_killed_inside_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "B"
-    run = subprocess.Popen([sys.executable, "-m", "mnist_ddp", *_train(out)], cwd=tmp_path, env=cli_env(ONE_THREAD),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while (seen := progress(out)) is None or seen["epoch"] < 1:
-            assert run.poll() is None, f"run B ended before its first checkpoint: {run.communicate()[1]}"
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.05)
-        assert run.poll() is None, "run B finished before it could be killed"
-        os.kill(run.pid, signal.SIGKILL)
-    finally:
-        run.kill()
-        run.wait(30)
-    assert run.returncode == -signal.SIGKILL
-    assert seen["epoch"] == 1 and seen["consumed"] == 0
-    assert progress(out) == seen  # killed inside epoch 2, before its checkpoint
+    _killed("3 steps into epoch 2", *_train(out))
+    seen = progress(out)
+    assert seen is not None and seen["epoch"] == 1 and seen["consumed"] == 0  # epoch 2's steps were not saved
     assert [r["epoch"] for r in metrics(out)] == [1]
 
     r = run_cli(*_train(out, "--resume"), cwd=tmp_path, env=ONE_THREAD)
@@ -84,27 +106,10 @@ def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_
     _assert_same_history(reference, out)
 
 
-# `mnist-ddp` with checkpoint.save wrapped: the process SIGKILLs itself the moment the first mid-epoch
-# checkpoint of the second epoch is on disk, which is exactly where a crash hurts most.
-_KILL_AFTER_MID_EPOCH_SAVE = """
-import os, signal, sys
-from mnist_ddp import checkpoint, cli
-save = checkpoint.save
-def save_then_die(path, payload, **kw):
-    save(path, payload, **kw)
-    if path.name == "checkpoint.pt" and payload["progress"]["epoch"] == 1 and payload["progress"]["consumed"] > 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-checkpoint.save = save_then_die
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
 def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "C"
     every = ["--checkpoint-every", "3"]
-    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_MID_EPOCH_SAVE, *_train(out, *every)], cwd=tmp_path,
-                       env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    _killed("mid-epoch", *_train(out, *every))
     assert progress(out)["consumed"] == 300  # type: ignore[index]  # 3 steps of 100
 
     r = run_cli(*_train(out, *every, "--resume"), cwd=tmp_path, env=ONE_THREAD)
@@ -164,10 +169,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 def _killed_mid_epoch_2(out: Path, accumulate: int) -> None:
     """One process with --accumulate, SIGKILLed right after its first mid-epoch checkpoint of epoch 2."""
-    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_MID_EPOCH_SAVE, "train", *SGD, "--out", str(out),
-                        "--accumulate", str(accumulate)], cwd=out.parent, env=cli_env(ONE_THREAD), text=True,
-                       capture_output=True, timeout=180)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    _killed("mid-epoch", "train", *SGD, "--out", str(out), "--accumulate", str(accumulate))
 
 
 @pytest.mark.parametrize(("slots", "after", "how"), [
@@ -193,5 +195,8 @@ def test_a_resume_at_another_world_continues_the_same_run(uninterrupted: dict[in
     assert [m["train_samples"] for m in history] == [m["train_samples"] for m in calm]  # the same padded epoch
     control = _distance(uninterrupted[6 - slots], uninterrupted[slots])  # another global batch: another run
     distance = _distance(out, uninterrupted[slots])
-    assert distance < (1e-4 if after <= slots else control / 3), (distance, control)
-    assert control > 1e-2
+    print(f"relative distance from the uninterrupted run {distance:.3g}; another global batch's {control:.3g}")
+    # README: W' <= M ends where the uninterrupted run ends up to float rounding (~6e-8 measured), W' > M close
+    # (7e-3 measured), against 0.29 for a run of another global batch.
+    assert distance < (1e-6 if after <= slots else 1e-2), (distance, control)
+    assert control > 0.2
