@@ -38,13 +38,13 @@ class Server:
     released: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def hold_first(self) -> None:
-        """Hold the first request until `hold_first_until()` is true: then whatever the client does meanwhile has
-        certainly happened while its download was in flight. A second request ends the hold too (so a broken
-        lock fails the test instead of hanging it), and so does a hang guard."""
+    def hold_first(self, until: Callable[[], bool]) -> None:
+        """Hold the first request until `until()` is true: whatever a client does meanwhile certainly happens
+        while that download is in flight. A second request ends the hold too (so a broken lock fails the test
+        instead of hanging it), and so does a hang guard."""
         deadline = time.monotonic() + HOLD_S
-        while not (self.hold_first_until and self.hold_first_until()) and sum(self.hits.values()) == 1 \
-                and time.monotonic() < deadline and not self.released.is_set():
+        while not until() and sum(self.hits.values()) == 1 and time.monotonic() < deadline \
+                and not self.released.is_set():
             time.sleep(0.01)
 
 
@@ -60,8 +60,8 @@ def server() -> Iterator[Server]:
                 first = sum(state.hits.values()) == 1
             if name in state.stall:
                 state.released.wait(30)
-            if first:
-                state.hold_first()
+            if first and state.hold_first_until is not None:
+                state.hold_first(state.hold_first_until)
             body = state.files.get(name) if folder == "/mnist" else None
             if body is None:
                 self.send_error(404)
