@@ -255,6 +255,10 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
                 line = _last_error(log)
                 assert rc == 1 and "Traceback" not in log, f"{case}: {log}"
                 assert "lost contact with the other processes" in line and "--resume" in line, line
+                # How long it waited, in gloo's words: a frozen peer for the whole --timeout 10, a dead one not at all
+                # (its connection closed at once).
+                waited = re.search(r"\(Timed out waiting (\d+)ms for (send|recv) operation to complete\)", line)
+                assert (waited and waited[1]) == ("10000" if how == "SIGSTOP" else None), line
                 who = f"{'' if rank is None else f'rank {rank} '}({host}, pid {victims[case]})"
                 if rank == 0:  # it took the store down with it: no last beat to quote
                     assert f"{who}, which hosts the rendezvous store, stopped answering: stopped (SIGSTOP" in line, line
