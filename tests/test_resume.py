@@ -6,6 +6,7 @@ after a mid-epoch checkpoint (`--checkpoint-every`) and continued. Both must end
 come from inside the run (`_KILLED`), at exactly those points, not from a poll racing the training.
 """
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,18 +107,86 @@ def test_killed_inside_an_epoch_resumes_to_the_same_weights(reference: Path, tmp
     _assert_same_history(reference, out)
 
 
-def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
-    out = tmp_path / "C"
-    every = ["--checkpoint-every", "3"]
-    _killed("mid-epoch", *_train(out, *every))
-    assert progress(out)["consumed"] == 300  # type: ignore[index]  # 3 steps of 100
+EVERY = ["--checkpoint-every", "3"]
 
-    r = run_cli(*_train(out, *every, "--resume"), cwd=tmp_path, env=ONE_THREAD)
+
+@pytest.fixture(scope="module")
+def killed_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run C's folder, as its kill right after the first mid-epoch checkpoint of epoch 2 left it (tests copy it)."""
+    out = tmp_path_factory.mktemp("killed") / "C"
+    _killed("mid-epoch", *_train(out, *EVERY))
+    assert progress(out)["consumed"] == 300  # type: ignore[index]  # 3 steps of 100
+    return out
+
+
+def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, killed_mid_epoch: Path, tmp_path: Path) -> None:
+    out = tmp_path / "C"
+    shutil.copytree(killed_mid_epoch, out)
+    r = run_cli(*_train(out, *EVERY, "--resume"), cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     assert "epoch 2, 300 of its 800 samples done" in r.stdout
     _assert_trained_only_epoch_2(r.stdout)
     _assert_same_weights(reference, out)
     _assert_same_history(reference, out)
+
+
+# --- checkpoints of earlier versions still load: made from a current one, edited the way the old format was ------
+
+def _format_1(ckpt: dict) -> dict:
+    """Saved before checkpoints carried a digest: format mnist-ddp/1 (load() has taken the digest out)."""
+    return {**ckpt, "format": checkpoint.UNVERIFIED}
+
+
+def _before_the_global_batch(ckpt: dict) -> dict:
+    """Format 1 as it was before a run's global batch was recorded (git 83d3b17^): no micro_batches and no run id,
+    the position in the epoch as per-rank optimizer steps (`step`) rather than samples, and a scheduler entry."""
+    old = {k: v for k, v in _format_1(ckpt).items() if k not in ("micro_batches", "run_id")}
+    per_step = ckpt["config"]["batch_size"] * ckpt["config"]["world_size"]
+    progress = {k: v for k, v in ckpt["progress"].items() if k != "consumed"}
+    return {**old, "progress": {**progress, "step": ckpt["progress"]["consumed"] // per_step}, "scheduler": None}
+
+
+OLD = {"mnist-ddp/1": _format_1, "before the global batch": _before_the_global_batch}
+
+
+def _old_run(killed_mid_epoch: Path, out: Path, old: str) -> Path:
+    """Run C's folder with its checkpoint.pt rewritten in an old format, unverified, and no checkpoint.prev.pt
+    (a current one, which --resume would fall back to if the old one were refused)."""
+    shutil.copytree(killed_mid_epoch, out)
+    ckpt = checkpoint.load(out / "checkpoint.pt")
+    assert ckpt["format"] == checkpoint.FORMAT and "micro_batches" in ckpt
+    torch.save(OLD[old](ckpt), out / "checkpoint.pt")
+    (out / "checkpoint.prev.pt").unlink()
+    return out / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("old", OLD)
+def test_an_old_checkpoint_resumes_to_the_same_weights_and_evaluates(old: str, reference: Path, killed_mid_epoch: Path,
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = _old_run(killed_mid_epoch, tmp_path / "C", old)
+    assert "digest" not in torch.load(path, weights_only=True)
+    assert cli.main(["evaluate", str(path), "--test-samples", "200"]) == 0
+    said = capsys.readouterr().out
+    assert "test accuracy" in said and "on synthetic" in said, said
+    r = run_cli(*_train(path.parent, *EVERY, "--resume"), cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert f"resume: from {path}, epoch 2, 300 of its 800 samples done" in r.stdout, r.stdout
+    _assert_trained_only_epoch_2(r.stdout)
+    _assert_same_weights(reference, path.parent)
+    _assert_same_history(reference, path.parent)
+
+
+def test_a_checkpoint_from_before_the_global_batch_counts_one_micro_batch_per_process(killed_mid_epoch: Path,
+                                                                                     tmp_path: Path) -> None:
+    """Saved by one process, which then meant a global batch of 1 × 100: resumed by 2 it stays 100 (2 micro-batches
+    of 50), where a run started at -g 2 would have 200."""
+    path = _old_run(killed_mid_epoch, tmp_path / "C", "before the global batch")
+    r = run_cli(*_train(path.parent, *EVERY, "--resume", "-g", "2"), cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert ("resume: world size 1 → 2; the run's global batch stays 100 (1 micro-batches of 100)" in r.stdout
+            and "epoch 2, 300 of its 800 samples done" in r.stdout), r.stdout
+    assert [m["global_batch"] for m in metrics(path.parent)] == [100, 100]
 
 
 def test_existing_run_is_never_overwritten(reference: Path, capsys: pytest.CaptureFixture[str]) -> None:
