@@ -13,10 +13,12 @@ import signal
 import socket
 import time
 from contextlib import suppress
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
@@ -270,6 +272,40 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
             with suppress(ProcessLookupError):  # spawn's parent killed its frozen child already
                 os.kill(victims[case], signal.SIGKILL)
             assert progress(tmp_path / str(n)) is not None
+
+
+def _beats(port: int) -> list[str]:
+    """The heartbeat records in a job's rendezvous store (rank 0 hosts it): keys mnist_ddp/heartbeat/<rank>."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    return [f"rank {r}" for r in range(2) if store.check([f"mnist_ddp/heartbeat/{r}"])]
+
+
+def test_heartbeat_0_turns_it_off(tmp_path: Path) -> None:
+    """Two jobs of 2 ranks started by hand, `--heartbeat 0` and the default. Once both train and the default's
+    beats are in its store, the other's store holds none; rank 1 of each is SIGKILLed: the default names it, the
+    one without beats cannot, and says so."""
+    env, mark = marked_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+    args = ("--epochs", "50", "--timeout", "30", "--checkpoint-every", "2")
+    with reaped(mark):
+        jobs = {beat: (port := free_port(), [start(_train(tmp_path / beat, *args, "--heartbeat", beat),
+                                                   env | {"RANK": str(r), "MASTER_PORT": str(port)}, tmp_path,
+                                                   tmp_path / f"{beat}-{r}.log") for r in range(2)])
+                for beat in ("0", "1")}
+        for beat, (_, procs) in jobs.items():
+            wait_for(f"--heartbeat {beat}: training", lambda beat=beat: progress(tmp_path / beat), HANG,
+                     running=procs[0])
+        wait_for("the default's beats", lambda: _beats(jobs["1"][0]) == ["rank 0", "rank 1"], HANG)
+        assert _beats(jobs["0"][0]) == []
+        for _, procs in jobs.values():
+            os.kill(procs[1].pid, signal.SIGKILL)
+        lines = {}
+        for beat, (_, procs) in jobs.items():
+            rc, log = finish(procs[0], tmp_path / f"{beat}-0.log", HANG)
+            assert rc == 1 and "Traceback" not in log, log
+            lines[beat] = _last_error(log)
+    assert f"rank 1 ({socket.gethostname()}, pid {jobs['1'][1][1].pid}) stopped answering: gone" in lines["1"], lines
+    assert "stopped answering:" not in lines["0"] and "one of them crashed, was killed or stopped answering for " \
+        "--timeout 30 s (see its log)" in lines["0"], lines
 
 
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
