@@ -23,7 +23,18 @@ import torch
 from conftest import cli_env, metrics, progress, tiny
 from mnist_ddp import checkpoint
 from netns import netns_pair
-from procfs import children, finish, marked_env, reaped, socket_inodes, spawned_workers, start, wait_for
+from procfs import (
+    children,
+    env_of,
+    finish,
+    marked_env,
+    marked_pids,
+    reaped,
+    socket_inodes,
+    spawned_workers,
+    start,
+    wait_for,
+)
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
@@ -214,3 +225,45 @@ def test_gloo_listens_on_the_interface_that_reaches_the_master_unless_told(machi
         for n, proc in enumerate(runs.values()):
             rc, log = finish(proc, tmp_path / f"{n}.log", RUN_TIMEOUT)
             assert rc == 130, log
+
+
+# --- a rank's fate, told by a survivor on its machine ---------------------------------------------------------
+
+def _pid_inside(pid: int) -> int:
+    """`pid`'s number in its own pid namespace (the last of /proc/PID/status's NSpid), the one it reports itself."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("NSpid:"))
+    return int(line.split()[-1])
+
+
+def test_a_survivor_on_the_frozen_ranks_machine_tells_the_others_its_fate(machines: Machines, tmp_path: Path) -> None:
+    """World 3 started by hand: rank 0 on machine 0, ranks 1 and 2 on machine 1, which is a pid namespace of its
+    own as well (a machine's /proc shows only its own processes). Rank 2 is frozen with SIGSTOP: rank 1 sees it in
+    its /proc and writes what it saw to the store; rank 0, which cannot look, names it from there, with the pid
+    rank 2 has on its machine. --heartbeat 4: the survivors' readings, which start when their collectives time
+    out at about the same moment, overlap by 2.5 beats."""
+    env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": ADDRS[0], "MASTER_PORT": "29420"})
+    train = ["-m", "mnist_ddp", "train", *tiny(6000, 100, epochs=50), "--timeout", "10", "--heartbeat", "4",
+             "--checkpoint-every", "2", "--out"]
+    python = sys.executable
+    machine_1 = (f'RANK=1 {python} {" ".join(train)} {tmp_path / "out1"} >{tmp_path / "1.log"} 2>&1 & '
+                 f'RANK=2 {python} {" ".join(train)} {tmp_path / "out2"} >{tmp_path / "2.log"} 2>&1 & wait')
+    with reaped(mark):
+        rank0 = start([python, *train, str(tmp_path / "out0")], env | {"RANK": "0"}, tmp_path, tmp_path / "0.log",
+                      prefix=machines.prefix(0), module=False)
+        node1 = start(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", machine_1], env, tmp_path,
+                      tmp_path / "node1.log", prefix=machines.prefix(1), module=False)
+        wait_for("training", lambda: progress(tmp_path / "out0"), RUN_TIMEOUT, running=rank0)
+        rank2 = next(pid for pid in marked_pids(mark) if env_of(pid).get("RANK") == "2" and "mnist_ddp" in
+                     Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        inside = _pid_inside(rank2)
+        assert inside != rank2  # it lives in a pid namespace of its own
+        os.kill(rank2, signal.SIGSTOP)
+        rc0, log0 = finish(rank0, tmp_path / "0.log", RUN_TIMEOUT)
+        os.kill(rank2, signal.SIGKILL)
+        finish(node1, tmp_path / "node1.log", RUN_TIMEOUT)
+    log1 = (tmp_path / "1.log").read_text()
+    fate = (f"rank 2 ({socket.gethostname()}, pid {inside}) stopped answering: stopped (SIGSTOP, or a debugger); its "
+            f"last beat said it was ")
+    assert rc0 == 1 and fate in log0, log0  # told by rank 1
+    assert "on a machine where no survivor could look" not in log0, log0
+    assert fate in log1, log1  # rank 1 looked for itself
