@@ -23,6 +23,8 @@ from mnist_ddp.config import DataConfig
 from mnist_ddp.download import DownloadError, fetch
 from mnist_ddp.errors import UserError
 
+HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
+
 
 @dataclass
 class Server:
@@ -182,17 +184,15 @@ def test_fetch_keeps_the_old_file_on_failure(tmp_path: Path, server: Server) -> 
     assert dest.read_bytes() == b"the old one" and [p.name for p in tmp_path.iterdir()] == ["f.gz"]
 
 
-HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
-
 # A child process asking for the data, as a rank does at start.
 _CHILD = """
 import sys
 from mnist_ddp import datasets
 from mnist_ddp.config import DataConfig
 datasets.SOURCES["mnist"] = datasets.Source(**eval(sys.argv[1]))
-data = datasets.load(DataConfig("mnist", mirrors=(sys.argv[2],), download_timeout=HOLD_S + 60))
+data = datasets.load(DataConfig("mnist", mirrors=(sys.argv[2],), download_timeout=float(sys.argv[3])))
 print(int(data.train.labels.sum()), int(data.test.labels.sum()), data.where)
-""".replace("HOLD_S", str(HOLD_S))
+"""
 
 
 def _flocks(path: Path) -> dict[str, list[int]]:
@@ -227,7 +227,7 @@ def test_two_processes_download_once(published: dict[str, Path], server: Server,
     source = datasets.SOURCES["mnist"]
     spec = repr({"name": source.name, "torchvision_dir": source.torchvision_dir, "mirrors": source.mirrors,
                  "md5": source.md5, "classes": source.classes})
-    children = [subprocess.Popen([sys.executable, "-c", _CHILD, spec, server.url], cwd=Path.cwd(),
+    children = [subprocess.Popen([sys.executable, "-c", _CHILD, spec, server.url, str(HOLD_S + 60)], cwd=Path.cwd(),
                                  env=cli_env(ONE_THREAD), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 for _ in range(2)]
     outs = [child.communicate(timeout=HOLD_S + 120) for child in children]

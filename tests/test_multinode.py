@@ -7,6 +7,7 @@ gloo; the final weights must equal those of a one-machine `-n 1 -g 4` run with t
 """
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -244,13 +245,12 @@ def test_a_survivor_on_the_frozen_ranks_machine_tells_the_others_its_fate(machin
     env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": ADDRS[0], "MASTER_PORT": "29420"})
     train = ["-m", "mnist_ddp", "train", *tiny(6000, 100, epochs=50), "--timeout", "10", "--heartbeat", "4",
              "--checkpoint-every", "2", "--out"]
-    python = sys.executable
-    machine_1 = (f'RANK=1 {python} {" ".join(train)} {tmp_path / "out1"} >{tmp_path / "1.log"} 2>&1 & '
-                 f'RANK=2 {python} {" ".join(train)} {tmp_path / "out2"} >{tmp_path / "2.log"} 2>&1 & wait')
+    rank = lambda r: shlex.join([sys.executable, *train, str(tmp_path / f"out{r}")])  # noqa: E731
+    machine_1 = "".join(f"RANK={r} {rank(r)} >{shlex.quote(str(tmp_path / f'{r}.log'))} 2>&1 & " for r in (1, 2))
     with reaped(mark):
-        rank0 = start([python, *train, str(tmp_path / "out0")], env | {"RANK": "0"}, tmp_path, tmp_path / "0.log",
-                      prefix=machines.prefix(0), module=False)
-        node1 = start(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", machine_1], env, tmp_path,
+        rank0 = start([sys.executable, *train, str(tmp_path / "out0")], env | {"RANK": "0"}, tmp_path,
+                      tmp_path / "0.log", prefix=machines.prefix(0), module=False)
+        node1 = start(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", machine_1 + "wait"], env, tmp_path,
                       tmp_path / "node1.log", prefix=machines.prefix(1), module=False)
         wait_for("training", lambda: progress(tmp_path / "out0"), RUN_TIMEOUT, running=rank0)
         rank2 = next(pid for pid in marked_pids(mark) if env_of(pid).get("RANK") == "2" and "mnist_ddp" in
