@@ -133,7 +133,7 @@ def test_one_all_reduce_per_step_however_many_micro_batches(results: dict[str, l
 # of 25, 6 steps. One thread per process, since the thread count changes the kernels' summation order too.
 SGD = [*tiny(600, 100, epochs=1), "--batch-size", "25", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.05",
        "--scheduler", "none", "--amp", "off", "--seed", "5"]
-WORLDS = {"-g 1 --accumulate 4": ["--accumulate", "4"], "-g 2 --accumulate 2": ["-g", "2", "--accumulate", "2"],
+COMMANDS = {"-g 1 --accumulate 4": ["--accumulate", "4"], "-g 2 --accumulate 2": ["-g", "2", "--accumulate", "2"],
           "-g 4": ["-g", "4"], "another global batch: -g 2": ["-g", "2"]}
 
 
@@ -148,11 +148,11 @@ def test_the_same_run_at_worlds_1_2_and_4_ends_with_the_same_weights(tmp_path: P
     env, mark = marked_env()
     with reaped(mark):
         runs = {name: start(["mnist_ddp", "train", *SGD, *extra, "--out", str(tmp_path / str(n))], env, tmp_path,
-                            tmp_path / f"{n}.log") for n, (name, extra) in enumerate(WORLDS.items())}
+                            tmp_path / f"{n}.log") for n, (name, extra) in enumerate(COMMANDS.items())}
         for n, proc in enumerate(runs.values()):
             rc, log = finish(proc, tmp_path / f"{n}.log", 300)
             assert rc == 0, log
-    weights = {name: _final_weights(tmp_path / str(n)) for n, name in enumerate(WORLDS)}
+    weights = {name: _final_weights(tmp_path / str(n)) for n, name in enumerate(COMMANDS)}
     assert [metrics(tmp_path / str(n))[-1]["global_batch"] for n in range(4)] == [100, 100, 100, 50]
     reference = weights["-g 4"]
     distance = {name: float((w - reference).norm() / reference.norm()) for name, w in weights.items()}
