@@ -18,6 +18,11 @@ from mnist_ddp import checkpoint, distributed, identity, rendezvous
 from mnist_ddp.errors import UserError
 from strict_skips import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
+# The suite proves the CPU path (gloo, CPU worker processes): on a machine with GPUs it must prove the same, so
+# they are hidden from this process and every child before anything asks CUDA (`-g 2` means two CPU workers
+# there too, and the runs are the CPU's, bit for bit). benchmarks/gpu_check.sh is what runs on GPUs.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MNIST_T10K = SHARED / "data" / "mnist-t10k"

@@ -9,6 +9,7 @@ step's samples, written here independently. A comm hook counts the all-reduces: 
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +17,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import spawn_gloo
+from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
-from mnist_ddp import train
+from mnist_ddp import checkpoint, train
 from mnist_ddp.batches import Share, StepBatches, epoch_order, model_input, padded
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
 from mnist_ddp.steps import PartStats, accumulate
+from procfs import finish, marked_env, reaped, start
 
 N, BATCH, SLOTS = 203, 8, 4  # 51 samples per slot: 7 steps, the last of 3 samples per slot
 LAST = math.ceil(math.ceil(N / SLOTS) / BATCH) - 1
@@ -123,3 +125,37 @@ def test_one_all_reduce_per_step_however_many_micro_batches(results: dict[str, l
     for name in ("2x2", "4x1", "3 sharing 4"):
         for r in results[name]:
             assert (r["first_allreduces"], r["last_allreduces"]) == (1, 1), name
+
+
+# --- end to end: the same run from scratch at worlds 1, 2 and 4 ---------------------------------------------------
+
+# fp32 SGD at a constant lr (the README's measurement, benchmarks/one_run.py): 600 synthetic images in 4 micro-batches
+# of 25, 6 steps. One thread per process, since the thread count changes the kernels' summation order too.
+SGD = [*tiny(600, 100, epochs=1), "--batch-size", "25", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.05",
+       "--scheduler", "none", "--amp", "off", "--seed", "5"]
+COMMANDS = {"-g 1 --accumulate 4": ["--accumulate", "4"], "-g 2 --accumulate 2": ["-g", "2", "--accumulate", "2"],
+          "-g 4": ["-g", "4"], "another global batch: -g 2": ["-g", "2"]}
+
+
+def _final_weights(out: Path) -> torch.Tensor:
+    state = checkpoint.load(out / "checkpoint.pt")["model"]
+    return torch.cat([v.reshape(-1).double() for v in state.values() if v.is_floating_point()])
+
+
+def test_the_same_run_at_worlds_1_2_and_4_ends_with_the_same_weights(tmp_path: Path) -> None:
+    """README: the weights of `--accumulate 4`, `-g 2 --accumulate 2` and `-g 4` are ~1e-7 apart after 6 fp32 SGD
+    steps (float summation order); a run of another global batch (2 micro-batches: 12 steps) is far from them."""
+    env, mark = marked_env()
+    with reaped(mark):
+        runs = {name: start(["mnist_ddp", "train", *SGD, *extra, "--out", str(tmp_path / str(n))], env, tmp_path,
+                            tmp_path / f"{n}.log") for n, (name, extra) in enumerate(COMMANDS.items())}
+        for n, proc in enumerate(runs.values()):
+            rc, log = finish(proc, tmp_path / f"{n}.log", 300)
+            assert rc == 0, log
+    weights = {name: _final_weights(tmp_path / str(n)) for n, name in enumerate(COMMANDS)}
+    assert [metrics(tmp_path / str(n))[-1]["global_batch"] for n in range(4)] == [100, 100, 100, 50]
+    reference = weights["-g 4"]
+    distance = {name: float((w - reference).norm() / reference.norm()) for name, w in weights.items()}
+    print("relative distance from -g 4:", {k: f"{v:.2g}" for k, v in distance.items()})
+    assert distance["-g 1 --accumulate 4"] < 1e-6 and distance["-g 2 --accumulate 2"] < 1e-6, distance
+    assert distance["another global batch: -g 2"] > 1e-2, distance

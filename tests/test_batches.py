@@ -1,5 +1,7 @@
 """The in-memory batches: sizes by arithmetic, normalisation on the batch, per-device compute defaults."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +55,21 @@ def test_compute_defaults_follow_the_device_and_explicit_flags_win(monkeypatch: 
     for device in map(torch.device, ("cuda", "mps")):
         assert (compute.amp_for(auto, device), compute.channels_last_for(None, device)) == ("off", False)
     assert (compute.amp_for("bf16", CPU), compute.channels_last_for(False, CPU)) == ("bf16", False)
+
+
+def _cpu_flags() -> set[str]:
+    """The feature flags the kernel reports for this machine's CPU (every core's line is the same)."""
+    line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_fast_bf16_is_detected_as_the_cpu_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detection itself, on this machine: hardware bf16 is AMX tiles or AVX512-BF16, which the kernel lists
+    in /proc/cpuinfo (`amx_tile`, `avx512_bf16`) when both the CPU and the OS support them."""
+    hardware = bool({"amx_tile", "avx512_bf16"} & _cpu_flags())
+    assert compute.cpu_has_fast_bf16() == hardware
+    assert compute.amp_for("auto", CPU) == ("bf16" if hardware else "off")
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):  # a torch without the private checks
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert compute.cpu_has_fast_bf16() is False  # the safe answer: fp32

@@ -2,12 +2,14 @@
 
 import collections
 import http.server
+import os
 import re
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from mnist_ddp.config import DataConfig
 from mnist_ddp.download import DownloadError, fetch
 from mnist_ddp.errors import UserError
 
+HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
+
 
 @dataclass
 class Server:
@@ -30,10 +34,20 @@ class Server:
     files: dict[str, bytes] = field(default_factory=dict)
     short: set[str] = field(default_factory=set)  # Content-Length says more than the body holds
     stall: set[str] = field(default_factory=set)  # answers only when the test ends
-    delay: float = 0.0  # seconds before every answer, to make concurrent clients overlap
+    # The first request is answered only once this says so (or another request arrives): see `hold_first`.
+    hold_first_until: Callable[[], bool] | None = None
     hits: collections.Counter = field(default_factory=collections.Counter)
     released: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold_first(self, until: Callable[[], bool]) -> None:
+        """Hold the first request until `until()` is true: whatever a client does meanwhile certainly happens
+        while that download is in flight. A second request ends the hold too (so a broken lock fails the test
+        instead of hanging it), and so does a hang guard."""
+        deadline = time.monotonic() + HOLD_S
+        while not until() and sum(self.hits.values()) == 1 and time.monotonic() < deadline \
+                and not self.released.is_set():
+            time.sleep(0.01)
 
 
 @pytest.fixture
@@ -45,9 +59,11 @@ def server() -> Iterator[Server]:
             folder, _, name = self.path.rpartition("/")
             with state.lock:
                 state.hits[name] += 1
+                first = sum(state.hits.values()) == 1
             if name in state.stall:
                 state.released.wait(30)
-            state.released.wait(state.delay)
+            if first and state.hold_first_until is not None:
+                state.hold_first(state.hold_first_until)
             body = state.files.get(name) if folder == "/mnist" else None
             if body is None:
                 self.send_error(404)
@@ -168,37 +184,59 @@ def test_fetch_keeps_the_old_file_on_failure(tmp_path: Path, server: Server) -> 
     assert dest.read_bytes() == b"the old one" and [p.name for p in tmp_path.iterdir()] == ["f.gz"]
 
 
-# A child process that waits for its sibling, then asks for the data, like two ranks starting together.
+# A child process asking for the data, as a rank does at start.
 _CHILD = """
-import sys, time
-from pathlib import Path
+import sys
 from mnist_ddp import datasets
 from mnist_ddp.config import DataConfig
-source, url, me, other = datasets.Source(**eval(sys.argv[1])), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
-datasets.SOURCES["mnist"] = source
-me.touch()
-while not other.exists():
-    time.sleep(0.01)
-data = datasets.load(DataConfig("mnist", mirrors=(url,), download_timeout=30))
+datasets.SOURCES["mnist"] = datasets.Source(**eval(sys.argv[1]))
+data = datasets.load(DataConfig("mnist", mirrors=(sys.argv[2],), download_timeout=float(sys.argv[3])))
 print(int(data.train.labels.sum()), int(data.test.labels.sum()), data.where)
 """
 
 
+def _flocks(path: Path) -> dict[str, list[int]]:
+    """The pids holding (`held`) and waiting for (`waiting`) a flock on `path`, from the kernel's /proc/locks:
+    `1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> 0 EOF`, each waiter on a line with `->` after the number."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {"held": [], "waiting": []}
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    found: dict[str, list[int]] = {"held": [], "waiting": []}
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        waiter = fields[1] == "->"
+        kind, pid, file = fields[1 + waiter], fields[4 + waiter], fields[5 + waiter]
+        if kind == "FLOCK" and file == where:
+            found["waiting" if waiter else "held"].append(int(pid))
+    return found
+
+
 def test_two_processes_download_once(published: dict[str, Path], server: Server, tmp_path: Path) -> None:
-    server.delay = 0.3  # each file takes a while, so the second process surely finds the first at work
+    """The first download is held by the server until the other process is seen by the kernel waiting on the
+    folder's lock (held by the first): the two certainly overlap, and the second waits instead of downloading."""
+    seen: list[dict[str, list[int]]] = []  # the lock's holder and waiter, when the hold ended
+
+    def one_waits_for_the_other() -> bool:
+        now = _flocks(Path("data/mnist/.download.lock"))
+        if now["held"] and now["waiting"]:
+            seen.append(now)
+        return bool(seen)
+    server.hold_first_until = one_waits_for_the_other
     source = datasets.SOURCES["mnist"]
     spec = repr({"name": source.name, "torchvision_dir": source.torchvision_dir, "mirrors": source.mirrors,
                  "md5": source.md5, "classes": source.classes})
-    flags = [tmp_path / "ready-0", tmp_path / "ready-1"]
-    children = [subprocess.Popen([sys.executable, "-c", _CHILD, spec, server.url, str(flags[i]), str(flags[1 - i])],
-                                 cwd=Path.cwd(), env=cli_env(ONE_THREAD), text=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE) for i in range(2)]
-    outs = [child.communicate(timeout=120) for child in children]
+    children = [subprocess.Popen([sys.executable, "-c", _CHILD, spec, server.url, str(HOLD_S + 60)], cwd=Path.cwd(),
+                                 env=cli_env(ONE_THREAD), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(2)]
+    outs = [child.communicate(timeout=HOLD_S + 120) for child in children]
     assert [c.returncode for c in children] == [0, 0], outs
     expected = make_splits()
     sums = f"{int(expected['train'][1].sum())} {int(expected['test'][1].sum())}"
     assert all(out.startswith(sums) for out, _ in outs), outs
-    assert server.hits == dict.fromkeys(published, 1)
+    assert server.hits == dict.fromkeys(published, 1)  # every file fetched once: by the lock's holder alone
+    assert len(seen) == 1 and sorted(seen[0]["held"] + seen[0]["waiting"]) == sorted(c.pid for c in children), seen
     assert _leftovers(Path("data/mnist")) == sorted(published)
 
 

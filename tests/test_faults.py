@@ -13,15 +13,17 @@ import signal
 import socket
 import time
 from contextlib import suppress
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
 from mnist_ddp.errors import UserError
-from procfs import MARK, children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
+from procfs import children, env_of, finish, free_port, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 
 pytestmark = needs_proc
 
@@ -69,9 +71,8 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
     assert "resume:" not in results["calm"][1].replace("resume: no checkpoint", "")
     # Nothing was repeated in the record, and the end is the same as if nothing had happened.
     assert [m["epoch"] for m in metrics(killed)] == [1, 2, 3]
-    acc_killed, acc_calm = metrics(killed)[-1]["test_accuracy"], metrics(calm)[-1]["test_accuracy"]
-    assert abs(acc_killed - acc_calm) <= 0.005
-    assert acc_killed == acc_calm  # deterministic resume: the same steps in the same order
+    # Deterministic resume: the same steps in the same order, so the very same accuracy (not just a band).
+    assert metrics(killed)[-1]["test_accuracy"] == metrics(calm)[-1]["test_accuracy"]
     a, b = (torch.load(out / "checkpoint.pt", weights_only=True)["model"] for out in (killed, calm))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _temp_files(killed) == []  # the killed writer's temp file, if any, was cleaned up
@@ -179,6 +180,9 @@ NEVER = {  # case -> (arguments after `train`, extra environment, what the messa
 
 
 def test_peer_that_never_arrives_ends_in_a_clear_error(tmp_path: Path) -> None:
+    """Each case its own --timeout (4, 5, … s), and each process's one line says it waited that long: the wait it
+    gave up after is the flag's, not a default (torch's is 30 minutes). The seconds each took are printed, not
+    asserted: HANG only catches a process that never gives up."""
     env, mark = marked_env()
     runs = {}
     with reaped(mark):
@@ -186,13 +190,14 @@ def test_peer_that_never_arrives_ends_in_a_clear_error(tmp_path: Path) -> None:
             port = str(free_port())
             case_env = env | extra | ({"MASTER_PORT": port} if extra else {})
             runs[case] = (time.monotonic(), start(
-                [*_train(tmp_path / f"out{n}"), "--timeout", "5", *args, *([] if extra else ["--master-port", port])],
-                case_env, tmp_path, tmp_path / f"{n}.log"))
+                [*_train(tmp_path / f"out{n}"), "--timeout", str(4 + n), *args,
+                 *([] if extra else ["--master-port", port])], case_env, tmp_path, tmp_path / f"{n}.log"))
         for n, (case, (started, proc)) in enumerate(runs.items()):
             rc, log = finish(proc, tmp_path / f"{n}.log", HANG)
-            print(f"{case}: exit {rc} after {time.monotonic() - started:.1f} s")
+            print(f"{case}: exit {rc} after {time.monotonic() - started:.1f} s (--timeout {4 + n})")
             assert rc == 2, f"{case}: {log}"
             assert all(said in log for said in NEVER[case][2]), f"{case}: {log}"
+            assert f" within {4 + n} s " in _last_error(log), f"{case}: {log}"
             assert "Traceback" not in log, f"{case}: {log}"
 
 
@@ -200,13 +205,6 @@ def test_peer_that_never_arrives_ends_in_a_clear_error(tmp_path: Path) -> None:
 
 def _last_error(log: str) -> str:
     return next(line for line in reversed(log.splitlines()) if line.startswith("mnist-ddp: error: "))
-
-
-def _spawned_workers(parent: int) -> list[int]:
-    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is."""
-    server = next(pid for pid in children(parent) if MARK in env_of(pid)
-                  and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
-    return children(server)
 
 
 # case -> (launched by: hand (RANK/WORLD_SIZE, rank 0 hosts the store) or spawn (-g 3), the rank hit, the signal)
@@ -238,7 +236,7 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
         for n, (case, procs) in enumerate(jobs.items()):
             _, rank, how = HIT[case]
             wait_for(f"{case}: training", lambda out=tmp_path / str(n): progress(out), HANG, running=procs[0])
-            victims[case] = procs[rank].pid if rank is not None else max(_spawned_workers(procs[0].pid))
+            victims[case] = procs[rank].pid if rank is not None else max(spawned_workers(procs[0].pid))
             os.kill(victims[case], getattr(signal, how))
             sent[case] = time.time()
         for n, (case, procs) in enumerate(jobs.items()):
@@ -252,6 +250,10 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
                 line = _last_error(log)
                 assert rc == 1 and "Traceback" not in log, f"{case}: {log}"
                 assert "lost contact with the other processes" in line and "--resume" in line, line
+                # How long it waited, in gloo's words: a frozen peer for the whole --timeout 10, a dead one not at all
+                # (its connection closed at once).
+                waited = re.search(r"\(Timed out waiting (\d+)ms for (send|recv) operation to complete\)", line)
+                assert (waited and waited[1]) == ("10000" if how == "SIGSTOP" else None), line
                 who = f"{'' if rank is None else f'rank {rank} '}({host}, pid {victims[case]})"
                 if rank == 0:  # it took the store down with it: no last beat to quote
                     assert f"{who}, which hosts the rendezvous store, stopped answering: stopped (SIGSTOP" in line, line
@@ -265,6 +267,40 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
             assert progress(tmp_path / str(n)) is not None
 
 
+def _beats(port: int) -> list[str]:
+    """The heartbeat records in a job's rendezvous store (rank 0 hosts it): keys mnist_ddp/heartbeat/<rank>."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    return [f"rank {r}" for r in range(2) if store.check([f"mnist_ddp/heartbeat/{r}"])]
+
+
+def test_heartbeat_0_turns_it_off(tmp_path: Path) -> None:
+    """Two jobs of 2 ranks started by hand, `--heartbeat 0` and the default. Once both train and the default's
+    beats are in its store, the other's store holds none; rank 1 of each is SIGKILLed: the default names it, the
+    one without beats cannot, and says so."""
+    env, mark = marked_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+    args = ("--epochs", "50", "--timeout", "30", "--checkpoint-every", "2")
+    with reaped(mark):
+        jobs = {beat: (port := free_port(), [start(_train(tmp_path / beat, *args, "--heartbeat", beat),
+                                                   env | {"RANK": str(r), "MASTER_PORT": str(port)}, tmp_path,
+                                                   tmp_path / f"{beat}-{r}.log") for r in range(2)])
+                for beat in ("0", "1")}
+        for beat, (_, procs) in jobs.items():
+            wait_for(f"--heartbeat {beat}: training", lambda beat=beat: progress(tmp_path / beat), HANG,
+                     running=procs[0])
+        wait_for("the default's beats", lambda: _beats(jobs["1"][0]) == ["rank 0", "rank 1"], HANG)
+        assert _beats(jobs["0"][0]) == []
+        for _, procs in jobs.values():
+            os.kill(procs[1].pid, signal.SIGKILL)
+        lines = {}
+        for beat, (_, procs) in jobs.items():
+            rc, log = finish(procs[0], tmp_path / f"{beat}-0.log", HANG)
+            assert rc == 1 and "Traceback" not in log, log
+            lines[beat] = _last_error(log)
+    assert f"rank 1 ({socket.gethostname()}, pid {jobs['1'][1][1].pid}) stopped answering: gone" in lines["1"], lines
+    assert "stopped answering:" not in lines["0"] and "one of them crashed, was killed or stopped answering for " \
+        "--timeout 30 s (see its log)" in lines["0"], lines
+
+
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
     """Without a restart policy, mnist-ddp's own launcher stops the other workers and names the dead one."""
     env, mark = marked_env()
@@ -273,7 +309,7 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
         wait_for("training", lambda: progress(out), HANG, running=parent)
-        victim = _spawned_workers(parent.pid)[0]
+        victim = spawned_workers(parent.pid)[0]
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log

@@ -73,8 +73,9 @@ def _float_bit(blob: bytes, path: Path) -> bytes:
     return blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1:]
 
 
-def _damaged(kind: str, runs: Path) -> bytes:
-    path = runs / "A" / "checkpoint.pt"
+def _damaged(kind: str, runs: Path, name: str = "checkpoint.pt") -> bytes:
+    """Run A's `name` (checkpoint.pt or best.pt), damaged as `kind` says."""
+    path = runs / "A" / name
     blob, ckpt = path.read_bytes(), torch.load(path, weights_only=True)
     optimizer_state = max(ckpt["optimizer"]["state"].values(), key=lambda s: s["exp_avg_sq"].numel())
     damage: dict[str, Callable[[], bytes]] = {
@@ -115,20 +116,22 @@ def test_digest_survives_save_and_load_and_sees_one_bit(tmp_path: Path) -> None:
     assert checkpoint.digest(changed) != checkpoint.digest(payload)
 
 
-# Another run's checkpoint is a good checkpoint to evaluate or predict with: only --resume refuses it.
-REFUSALS = [(command, kind) for command in ("evaluate", "predict", "train --resume") for kind in KINDS
-            if command == "train --resume" or kind != "another run's"]
+# Another run's checkpoint is a good checkpoint to evaluate or predict with: only --resume refuses it. best.pt is
+# verified like checkpoint.pt by evaluate and predict (--resume never reads it).
+REFUSALS = [*[("train --resume", kind, "checkpoint.pt") for kind in KINDS],
+            *[(command, kind, name) for command in ("evaluate", "predict") for kind in KINDS if kind != "another run's"
+              for name in ("checkpoint.pt", "best.pt")]]
 
 
-@pytest.mark.parametrize(("command", "kind"), REFUSALS)
+@pytest.mark.parametrize(("command", "kind", "name"), REFUSALS)
 def test_damaged_checkpoint_is_refused_by_name_and_left_alone(runs: Path, tmp_path: Path, kind: str, command: str,
-                                                              capfd: pytest.CaptureFixture[str]) -> None:
+                                                              name: str, capfd: pytest.CaptureFixture[str]) -> None:
     """No previous checkpoint to fall back to: one line naming the file, exit 2, nothing in the folder touched."""
     out = tmp_path / "run"
     shutil.copytree(runs / "A", out)
     (out / "checkpoint.prev.pt").unlink()
-    ckpt = out / "checkpoint.pt"
-    ckpt.write_bytes(_damaged(kind, runs))
+    ckpt = out / name
+    ckpt.write_bytes(_damaged(kind, runs, name))
     before = _fingerprint(out)
     argv = {"evaluate": ["evaluate", str(ckpt), "--dataset", "synthetic", "--test-samples", "50"],
             "predict": ["predict", str(ckpt), str(tmp_path / "digit.png")],

@@ -7,7 +7,11 @@ gloo; the final weights must equal those of a one-machine `-n 1 -g 4` run with t
 """
 
 import os
+import shlex
 import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,10 +21,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics, progress, tiny
+from conftest import cli_env, metrics, progress, tiny
 from mnist_ddp import checkpoint
 from netns import netns_pair
-from procfs import children, finish, marked_env, reaped, start, wait_for
+from procfs import (
+    children,
+    env_of,
+    finish,
+    marked_env,
+    marked_pids,
+    reaped,
+    socket_inodes,
+    spawned_workers,
+    start,
+    wait_for,
+)
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Two epochs of three steps per rank at world 4; --timeout bounds any wait if a node fails to show up.
@@ -159,3 +174,96 @@ def test_torchrun_loses_a_node_and_continues_alone(machines: Machines, tmp_path:
     assert [m["global_batch"] for m in history] == [400] * 3
     final = checkpoint.load(out / "checkpoint.pt")
     assert final["progress"]["epoch"] == 3 and final["config"]["world_size"] == 2
+
+
+# --- which network gloo uses ---------------------------------------------------------------------------------
+
+def _address(hex_address: str) -> str:
+    """/proc/net/tcp's `0100007F` (little-endian IPv4) as 127.0.0.1."""
+    return socket.inet_ntoa(bytes.fromhex(hex_address)[::-1])
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket `pid` listens on, in its own network namespace (/proc/PID/net/tcp)."""
+    held, found = socket_inodes(pid), set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[9]) in held:  # LISTEN
+            address, port = fields[1].split(":")
+            found.add((_address(address), int(port, 16)))
+    return found
+
+
+def _interface_of(machines: Machines, address: str) -> str:
+    """The interface of machine 0 that holds `address`, as iproute2 lists it."""
+    r = subprocess.run(["ip", "-n", machines.names[0], "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                       check=True)
+    return next(line.split()[1] for line in r.stdout.splitlines() if f" {address}/" in line)
+
+
+def test_gloo_listens_on_the_interface_that_reaches_the_master_unless_told(machines: Machines,
+                                                                          tmp_path: Path) -> None:
+    """On machine 0, `-g 2 --master-addr <its veth address>`: rendezvous.gloo_interface picks the veth, and the
+    workers' gloo sockets listen on its address, not on the address the host name resolves to; with
+    GLOO_SOCKET_IFNAME=lo set, on 127.0.0.1. What they listen on is read from /proc, not from our code."""
+    veth = _interface_of(machines, ADDRS[0])
+    ask = f"from mnist_ddp.rendezvous import gloo_interface as g; print(*(g(a) for a in {(*ADDRS, '127.0.0.1')!r}))"
+    picked = subprocess.run([*machines.prefix(0), sys.executable, "-c", ask], env=cli_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert picked.stdout.split() == [veth, veth, "None"], picked
+    env, mark = marked_env()
+    cases = {"chosen": ({}, ADDRS[0]), "GLOO_SOCKET_IFNAME=lo": ({"GLOO_SOCKET_IFNAME": "lo"}, "127.0.0.1")}
+    with reaped(mark):
+        runs = {case: start(["mnist_ddp", "train", *tiny(4000, 100, epochs=50), "-n", "1", "-g", "2", "--master-addr",
+                             ADDRS[0], "--master-port", str(29410 + n), "--out", str(tmp_path / str(n))],
+                            env | extra, tmp_path, tmp_path / f"{n}.log", prefix=machines.prefix(0))
+                for n, (case, (extra, _)) in enumerate(cases.items())}
+        for n, (case, proc) in enumerate(runs.items()):
+            wait_for(f"{case}: training", lambda n=n: progress(tmp_path / str(n)), RUN_TIMEOUT, running=proc)
+            heard = {pid: {address for address, _ in _listening(pid)} for pid in spawned_workers(proc.pid)}
+            assert len(heard) == 2 and all(addresses == {cases[case][1]} for addresses in heard.values()), (case, heard)
+            proc.send_signal(signal.SIGTERM)
+        for n, proc in enumerate(runs.values()):
+            rc, log = finish(proc, tmp_path / f"{n}.log", RUN_TIMEOUT)
+            assert rc == 130, log
+
+
+# --- a rank's fate, told by a survivor on its machine ---------------------------------------------------------
+
+def _pid_inside(pid: int) -> int:
+    """`pid`'s number in its own pid namespace (the last of /proc/PID/status's NSpid), the one it reports itself."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("NSpid:"))
+    return int(line.split()[-1])
+
+
+def test_a_survivor_on_the_frozen_ranks_machine_tells_the_others_its_fate(machines: Machines, tmp_path: Path) -> None:
+    """World 3 started by hand: rank 0 on machine 0, ranks 1 and 2 on machine 1, which is a pid namespace of its
+    own as well (a machine's /proc shows only its own processes). Rank 2 is frozen with SIGSTOP: rank 1 sees it in
+    its /proc and writes what it saw to the store; rank 0, which cannot look, names it from there, with the pid
+    rank 2 has on its machine. --heartbeat 4: the survivors' readings, which start when their collectives time
+    out at about the same moment, overlap by 2.5 beats."""
+    env, mark = marked_env({"WORLD_SIZE": "3", "MASTER_ADDR": ADDRS[0], "MASTER_PORT": "29420"})
+    train = ["-m", "mnist_ddp", "train", *tiny(6000, 100, epochs=50), "--timeout", "10", "--heartbeat", "4",
+             "--checkpoint-every", "2", "--out"]
+    rank = lambda r: shlex.join([sys.executable, *train, str(tmp_path / f"out{r}")])  # noqa: E731
+    machine_1 = "".join(f"RANK={r} {rank(r)} >{shlex.quote(str(tmp_path / f'{r}.log'))} 2>&1 & " for r in (1, 2))
+    with reaped(mark):
+        rank0 = start([sys.executable, *train, str(tmp_path / "out0")], env | {"RANK": "0"}, tmp_path,
+                      tmp_path / "0.log", prefix=machines.prefix(0), module=False)
+        node1 = start(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", machine_1 + "wait"], env, tmp_path,
+                      tmp_path / "node1.log", prefix=machines.prefix(1), module=False)
+        wait_for("training", lambda: progress(tmp_path / "out0"), RUN_TIMEOUT, running=rank0)
+        rank2 = next(pid for pid in marked_pids(mark) if env_of(pid).get("RANK") == "2" and "mnist_ddp" in
+                     Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        inside = _pid_inside(rank2)
+        assert inside != rank2  # it lives in a pid namespace of its own
+        os.kill(rank2, signal.SIGSTOP)
+        rc0, log0 = finish(rank0, tmp_path / "0.log", RUN_TIMEOUT)
+        os.kill(rank2, signal.SIGKILL)
+        finish(node1, tmp_path / "node1.log", RUN_TIMEOUT)
+    log1 = (tmp_path / "1.log").read_text()
+    fate = (f"rank 2 ({socket.gethostname()}, pid {inside}) stopped answering: stopped (SIGSTOP, or a debugger); its "
+            f"last beat said it was ")
+    assert rc0 == 1 and fate in log0, log0  # told by rank 1
+    assert "on a machine where no survivor could look" not in log0, log0
+    assert fate in log1, log1  # rank 1 looked for itself

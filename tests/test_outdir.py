@@ -7,6 +7,8 @@ loadable, metrics.jsonl without a half line and no temp file. Real processes thr
 outside as in test_faults.
 """
 
+import errno
+import fcntl
 import os
 import re
 import signal
@@ -18,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
-from conftest import metrics, progress
-from mnist_ddp import checkpoint, outdir
+from conftest import metrics, progress, tiny
+from datafiles import one_thread
+from mnist_ddp import checkpoint, cli, outdir
 from mnist_ddp.errors import UserError, WriteFailed
 from mnist_ddp.report import Reporter
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
@@ -108,6 +112,33 @@ def test_sigkilled_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     assert not (out / outdir.LOCK).exists()
 
 
+class _NoFlock:
+    """fcntl as outdir sees it on a file system without flock: an NFS mount with no lock daemon says ENOLCK."""
+
+    LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
+
+    @staticmethod
+    def flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+def test_without_flock_a_run_warns_once_and_goes_on_unguarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(outdir, "fcntl", _NoFlock)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    with one_thread():
+        code = cli.main(["train", *tiny(200, 50), "--out", str(out)])
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    assert err.strip().splitlines() == [f"mnist-ddp: warning: cannot lock --out {out} (No locks available); nothing "
+                                        f"stops another run from writing there at the same time."], err
+    assert [m["epoch"] for m in metrics(out)] == [1] and progress(out) is not None
+    assert not (out / outdir.LOCK).exists()  # no lock file pretending to guard anything
+    with outdir.claim(out, resume=True), outdir.claim(out, resume=True):  # unguarded: a second run is not refused
+        pass
+
+
 # --- a full disk -------------------------------------------------------------------------------------------
 
 @contextmanager
@@ -160,6 +191,26 @@ def test_writers_on_a_full_disk_keep_what_was_there(tmp_path: Path) -> None:
         assert metrics(fs) == [_epoch(1)]
         assert (fs / "metrics.jsonl").read_text().endswith("}\n")
         assert torch.equal(checkpoint.load(fs / "checkpoint.pt")["model"]["w"], torch.ones(1000))
+        assert _temp_files(fs) == []
+
+
+def test_plots_on_a_full_disk_keep_the_last_ones_whole(tmp_path: Path) -> None:
+    """Room left for epoch 2's metrics line (two pages), not for its curves.png: the write fails with the one line,
+    and curves.png and confusion.png are epoch 1's, byte for byte, whole PNGs; no temp file is left."""
+    with _tmpfs(tmp_path / "fs", "2m") as fs:
+        report = Reporter(fs, enabled=True, progress=False, plots=True)
+        report.epoch(_epoch(1), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=1)
+        plots = {name: (fs / name).read_bytes() for name in ("curves.png", "confusion.png")}
+        _fill(fs)
+        os.truncate(fs / "filler", (fs / "filler").stat().st_size - 2 * 4096)
+        with pytest.raises(WriteFailed, match=NO_SPACE) as failed:
+            report.epoch(_epoch(2), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=2)
+        assert f"writing {fs / 'curves.png'};" in str(failed.value)
+        assert metrics(fs) == [_epoch(1), _epoch(2)]  # the line fitted
+        assert {name: (fs / name).read_bytes() for name in plots} == plots
+        for name in plots:
+            with Image.open(fs / name) as image:
+                image.verify()  # a whole PNG: every chunk's CRC checks
         assert _temp_files(fs) == []
 
 

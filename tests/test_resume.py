@@ -1,15 +1,15 @@
 """Resume: a run killed and continued with --resume ends with the very weights of an uninterrupted run.
 
 The reference run A trains 2 epochs straight through. Run B is SIGKILLed (no chance to clean
-up) once its checkpoint says one epoch is done, then continued; run C is killed right after a
-mid-epoch checkpoint (`--checkpoint-every`) and continued. Both must end where A ended.
+up) three steps into epoch 2, whose checkpoint is not written yet, then continued; run C is killed right
+after a mid-epoch checkpoint (`--checkpoint-every`) and continued. Both must end where A ended. The kills
+come from inside the run (`_KILLED`), at exactly those points, not from a poll racing the training.
 """
 
-import os
+import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,24 +56,47 @@ def _assert_trained_only_epoch_2(stdout: str) -> None:
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch ")] == ["2/2"], stdout
 
 
-def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
+# `mnist-ddp` that SIGKILLs itself at an exact point of its second epoch, where a crash hurts most:
+# "mid-epoch": the moment its first mid-epoch checkpoint (--checkpoint-every) is on disk;
+# "3 steps into epoch 2": after the third optimizer step of epoch 2, its checkpoint not yet written.
+_KILLED = """
+import os, signal, sys
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from mnist_ddp import checkpoint, cli
+when, argv = sys.argv[1], sys.argv[2:]
+save, epoch_2 = checkpoint.save, []
+def die(why):
+    print("killed " + why, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+def save_then_die(path, payload, **kw):
+    save(path, payload, **kw)
+    if path.name == "checkpoint.pt" and payload["progress"]["epoch"] == 1:
+        epoch_2.append(0)  # epoch 1 is saved: epoch 2 begins
+        if when == "mid-epoch" and payload["progress"]["consumed"] > 0:
+            die("mid-epoch")
+def count_steps(optimizer, args, kwargs):
+    if epoch_2 and when == "3 steps into epoch 2":
+        epoch_2[0] += 1
+        if epoch_2[0] == 3:
+            die("3 steps into epoch 2")
+checkpoint.save = save_then_die
+register_optimizer_step_post_hook(count_steps)
+sys.exit(cli.main(argv))
+"""
+
+
+def _killed(when: str, *argv: str) -> None:
+    """Run `mnist-ddp ARGV`, SIGKILLed by `_KILLED` at `when`."""
+    r = subprocess.run([sys.executable, "-c", _KILLED, when, *argv], cwd=Path(argv[argv.index("--out") + 1]).parent,
+                       env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
+    assert r.returncode == -signal.SIGKILL and f"killed {when}" in r.stderr, r.stderr
+
+
+def test_killed_inside_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "B"
-    run = subprocess.Popen([sys.executable, "-m", "mnist_ddp", *_train(out)], cwd=tmp_path, env=cli_env(ONE_THREAD),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while (seen := progress(out)) is None or seen["epoch"] < 1:
-            assert run.poll() is None, f"run B ended before its first checkpoint: {run.communicate()[1]}"
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.05)
-        assert run.poll() is None, "run B finished before it could be killed"
-        os.kill(run.pid, signal.SIGKILL)
-    finally:
-        run.kill()
-        run.wait(30)
-    assert run.returncode == -signal.SIGKILL
-    assert seen["epoch"] == 1 and seen["consumed"] == 0
-    assert progress(out) == seen  # killed inside epoch 2, before its checkpoint
+    _killed("3 steps into epoch 2", *_train(out))
+    seen = progress(out)
+    assert seen is not None and seen["epoch"] == 1 and seen["consumed"] == 0  # epoch 2's steps were not saved
     assert [r["epoch"] for r in metrics(out)] == [1]
 
     r = run_cli(*_train(out, "--resume"), cwd=tmp_path, env=ONE_THREAD)
@@ -84,35 +107,86 @@ def test_killed_after_an_epoch_resumes_to_the_same_weights(reference: Path, tmp_
     _assert_same_history(reference, out)
 
 
-# `mnist-ddp` with checkpoint.save wrapped: the process SIGKILLs itself the moment the first mid-epoch
-# checkpoint of the second epoch is on disk, which is exactly where a crash hurts most.
-_KILL_AFTER_MID_EPOCH_SAVE = """
-import os, signal, sys
-from mnist_ddp import checkpoint, cli
-save = checkpoint.save
-def save_then_die(path, payload, **kw):
-    save(path, payload, **kw)
-    if path.name == "checkpoint.pt" and payload["progress"]["epoch"] == 1 and payload["progress"]["consumed"] > 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-checkpoint.save = save_then_die
-sys.exit(cli.main(sys.argv[1:]))
-"""
+EVERY = ["--checkpoint-every", "3"]
 
 
-def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, tmp_path: Path) -> None:
-    out = tmp_path / "C"
-    every = ["--checkpoint-every", "3"]
-    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_MID_EPOCH_SAVE, *_train(out, *every)], cwd=tmp_path,
-                       env=cli_env(ONE_THREAD), capture_output=True, text=True, timeout=180)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+@pytest.fixture(scope="module")
+def killed_mid_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run C's folder, as its kill right after the first mid-epoch checkpoint of epoch 2 left it (tests copy it)."""
+    out = tmp_path_factory.mktemp("killed") / "C"
+    _killed("mid-epoch", *_train(out, *EVERY))
     assert progress(out)["consumed"] == 300  # type: ignore[index]  # 3 steps of 100
+    return out
 
-    r = run_cli(*_train(out, *every, "--resume"), cwd=tmp_path, env=ONE_THREAD)
+
+def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, killed_mid_epoch: Path, tmp_path: Path) -> None:
+    out = tmp_path / "C"
+    shutil.copytree(killed_mid_epoch, out)
+    r = run_cli(*_train(out, *EVERY, "--resume"), cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     assert "epoch 2, 300 of its 800 samples done" in r.stdout
     _assert_trained_only_epoch_2(r.stdout)
     _assert_same_weights(reference, out)
     _assert_same_history(reference, out)
+
+
+# --- checkpoints of earlier versions still load: made from a current one, edited the way the old format was ------
+
+def _format_1(ckpt: dict) -> dict:
+    """Saved before checkpoints carried a digest: format mnist-ddp/1 (load() has taken the digest out)."""
+    return {**ckpt, "format": checkpoint.UNVERIFIED}
+
+
+def _before_the_global_batch(ckpt: dict) -> dict:
+    """Format 1 as it was before a run's global batch was recorded (git 83d3b17^): no micro_batches and no run id,
+    the position in the epoch as per-rank optimizer steps (`step`) rather than samples, and a scheduler entry."""
+    old = {k: v for k, v in _format_1(ckpt).items() if k not in ("micro_batches", "run_id")}
+    per_step = ckpt["config"]["batch_size"] * ckpt["config"]["world_size"]
+    progress = {k: v for k, v in ckpt["progress"].items() if k != "consumed"}
+    return {**old, "progress": {**progress, "step": ckpt["progress"]["consumed"] // per_step}, "scheduler": None}
+
+
+OLD = {"mnist-ddp/1": _format_1, "before the global batch": _before_the_global_batch}
+
+
+def _old_run(killed_mid_epoch: Path, out: Path, old: str) -> Path:
+    """Run C's folder with its checkpoint.pt rewritten in an old format, unverified, and no checkpoint.prev.pt
+    (a current one, which --resume would fall back to if the old one were refused)."""
+    shutil.copytree(killed_mid_epoch, out)
+    ckpt = checkpoint.load(out / "checkpoint.pt")
+    assert ckpt["format"] == checkpoint.FORMAT and "micro_batches" in ckpt
+    torch.save(OLD[old](ckpt), out / "checkpoint.pt")
+    (out / "checkpoint.prev.pt").unlink()
+    return out / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("old", OLD)
+def test_an_old_checkpoint_resumes_to_the_same_weights_and_evaluates(old: str, reference: Path, killed_mid_epoch: Path,
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = _old_run(killed_mid_epoch, tmp_path / "C", old)
+    assert "digest" not in torch.load(path, weights_only=True)
+    assert cli.main(["evaluate", str(path), "--test-samples", "200"]) == 0
+    said = capsys.readouterr().out
+    assert "test accuracy" in said and "on synthetic" in said, said
+    r = run_cli(*_train(path.parent, *EVERY, "--resume"), cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert f"resume: from {path}, epoch 2, 300 of its 800 samples done" in r.stdout, r.stdout
+    _assert_trained_only_epoch_2(r.stdout)
+    _assert_same_weights(reference, path.parent)
+    _assert_same_history(reference, path.parent)
+
+
+def test_a_checkpoint_from_before_the_global_batch_counts_one_micro_batch_per_process(killed_mid_epoch: Path,
+                                                                                     tmp_path: Path) -> None:
+    """Saved by one process, which then meant a global batch of 1 × 100: resumed by 2 it stays 100 (2 micro-batches
+    of 50), where a run started at -g 2 would have 200."""
+    path = _old_run(killed_mid_epoch, tmp_path / "C", "before the global batch")
+    r = run_cli(*_train(path.parent, *EVERY, "--resume", "-g", "2"), cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert ("resume: world size 1 → 2; the run's global batch stays 100 (1 micro-batches of 100)" in r.stdout
+            and "epoch 2, 300 of its 800 samples done" in r.stdout), r.stdout
+    assert [m["global_batch"] for m in metrics(path.parent)] == [100, 100]
 
 
 def test_existing_run_is_never_overwritten(reference: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,10 +238,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 def _killed_mid_epoch_2(out: Path, accumulate: int) -> None:
     """One process with --accumulate, SIGKILLed right after its first mid-epoch checkpoint of epoch 2."""
-    r = subprocess.run([sys.executable, "-c", _KILL_AFTER_MID_EPOCH_SAVE, "train", *SGD, "--out", str(out),
-                        "--accumulate", str(accumulate)], cwd=out.parent, env=cli_env(ONE_THREAD), text=True,
-                       capture_output=True, timeout=180)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    _killed("mid-epoch", "train", *SGD, "--out", str(out), "--accumulate", str(accumulate))
 
 
 @pytest.mark.parametrize(("slots", "after", "how"), [
@@ -193,5 +264,8 @@ def test_a_resume_at_another_world_continues_the_same_run(uninterrupted: dict[in
     assert [m["train_samples"] for m in history] == [m["train_samples"] for m in calm]  # the same padded epoch
     control = _distance(uninterrupted[6 - slots], uninterrupted[slots])  # another global batch: another run
     distance = _distance(out, uninterrupted[slots])
-    assert distance < (1e-4 if after <= slots else control / 3), (distance, control)
-    assert control > 1e-2
+    print(f"relative distance from the uninterrupted run {distance:.3g}; another global batch's {control:.3g}")
+    # README: W' <= M ends where the uninterrupted run ends up to float rounding (~6e-8 measured), W' > M close
+    # (7e-3 measured), against 0.29 for a run of another global batch.
+    assert distance < (1e-6 if after <= slots else 1e-2), (distance, control)
+    assert control > 0.2
