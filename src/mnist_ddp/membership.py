@@ -137,7 +137,7 @@ def meet(store: dist.Store, ident: Identity, creds: Credentials, timeout: timede
     joined()
     welcome = _mac(creds.secret, "welcome", nonce, token, ident.rank)
     _wait(lambda: _read(store, WELCOME + token) == welcome.encode() or None, deadline,
-          lambda: f"{_missing(store, ident.world_size)} never checked in")
+          lambda: _stalled(store, ident.world_size))
 
 
 def _check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: float) -> tuple[str, str]:
@@ -236,14 +236,18 @@ def _reason(c: CheckIn | None, nonce: str, creds: Credentials, world: int,
 
 
 def _missing_from(admitted: Mapping[int, Any] | set[int], world: int) -> str:
+    """'rank 3' or 'ranks 1, 2, …': those of 1 … world-1 not in `admitted`."""
     missing = [r for r in range(1, world) if r not in admitted]
     shown = ", ".join(map(str, missing[:8])) + (" …" if len(missing) > 8 else "")
     return f"rank{'s' if len(missing) > 1 else ''} {shown}"
 
 
-def _missing(store: dist.Store, world: int) -> str:
-    """The ranks not yet admitted, as rank 0 last published them (all a waiting rank can know)."""
-    return _missing_from({int(r) for r in _read(store, ADMITTED).split(b",") if r.isdigit()}, world)
+def _stalled(store: dist.Store, world: int) -> str:
+    """Why an admitted rank still waits: the ranks not admitted yet, as rank 0 last published them."""
+    admitted = {int(r) for r in _read(store, ADMITTED).split(b",") if r.isdigit()}
+    if all(r in admitted for r in range(1, world)):
+        return "rank 0 let every rank in but never said so (it stopped, or its store did)"
+    return f"{_missing_from(admitted, world)} never checked in"
 
 
 def _read(store: dist.Store, key: str) -> bytes:
