@@ -178,6 +178,8 @@ def test_strangers_on_the_same_machine_are_refused_and_the_job_finishes(tmp_path
     assert [m["world_size"] for m in metrics(tmp_path / "out")] == [2, 2]
     for n in range(3):
         assert not (tmp_path / f"s{n}").exists()  # a refused rank wrote nothing
+    for path in (tmp_path / "out").rglob("*"):  # the secret is in no output, the checkpoint's config included
+        assert not path.is_file() or b"battery staple" not in path.read_bytes(), path
 
 
 def test_a_rank_of_another_run_is_refused_from_another_machine(machines: tuple[str, str], tmp_path: Path) -> None:
@@ -219,30 +221,35 @@ def test_a_rank_of_another_run_is_refused_from_another_machine(machines: tuple[s
 
 def test_two_jobs_given_one_address_never_mix(tmp_path: Path) -> None:
     """Jobs A and B, each `-n 2 -g 1` with a secret of its own and otherwise the same settings, are given the same
-    master address and port, all four nodes started at once. One job's node 0 gets the port and that job
-    finishes; the other's node 0 is told the port is in use, and its node 1, which reached the winner's store, is
-    refused there: it does not know that job's secret."""
+    master address and port. Their nodes 0 start together: one gets the port, the other is told it is in use.
+    The losing job's node 1, which can only reach the winner's store, is refused there (it does not know that
+    job's secret), and then the winner's node 1 is admitted and the winning job finishes."""
     port = free_port()
     flags = ["-n", "2", "-g", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env, mark = marked_env()
-    procs = {}
+
+    def node(job: str, n: int) -> subprocess.Popen:
+        return start([*TRAIN, *flags, "-nr", str(n), "--out", str(tmp_path / f"{job}{n}")],
+                     env | {"MNIST_DDP_SECRET": f"secret of {job}"}, tmp_path, tmp_path / f"{job}{n}.log")
     with reaped(mark):
-        for node in (0, 1):
-            for job in "AB":
-                procs[job, node] = start([*TRAIN, *flags, "-nr", str(node), "--out", str(tmp_path / f"{job}{node}")],
-                                         env | {"MNIST_DDP_SECRET": f"secret of {job}"}, tmp_path,
-                                         tmp_path / f"{job}{node}.log")
-        done = {key: finish(p, tmp_path / f"{key[0]}{key[1]}.log", HANG) for key, p in procs.items()}
-    winners = [job for job in "AB" if done[job, 0][0] == 0]
-    assert len(winners) == 1, done
-    won, lost = winners[0], "B" if winners[0] == "A" else "A"
-    assert done[won, 1][0] == 0, done[won, 1]
-    assert [m["world_size"] for m in metrics(tmp_path / f"{won}0")] == [2, 2]
-    assert done[lost, 0][0] == 2 and f"port {port} is already in use" in done[lost, 0][1], done[lost, 0]
-    assert done[lost, 1][0] == 2 and done[lost, 1][1].strip().splitlines() == [
+        nodes0 = {job: node(job, 0) for job in "AB"}
+        lost = wait_for("one node 0 to lose the port", lambda: next(
+            (job for job, p in nodes0.items() if p.poll() is not None), None), HANG)
+        won = "B" if lost == "A" else "A"
+        done = {(lost, 0): finish(nodes0[lost], tmp_path / f"{lost}0.log", HANG)}
+        done[lost, 1] = finish(node(lost, 1), tmp_path / f"{lost}1.log", HANG)
+        done[won, 1] = finish(node(won, 1), tmp_path / f"{won}1.log", HANG)
+        done[won, 0] = finish(nodes0[won], tmp_path / f"{won}0.log", HANG)
+    assert done[lost, 0][0] == 2 and ours(done[lost, 0][1]) == [
+        f"mnist-ddp: error: port {port} is already in use on this machine (another job or program listens there); "
+        f"choose another --master-port (or MASTER_PORT)."], done[lost, 0]
+    assert done[lost, 1][0] == 2 and ours(done[lost, 1][1]) == [
         f"mnist-ddp: error: the job at 127.0.0.1:{port} refused this process (rank 1): its secret is not the job's "
         f"(MNIST_DDP_SECRET or --secret-file must be the same on every node)."], done[lost, 1]
+    assert done[won, 0][0] == 0 and done[won, 1][0] == 0, done
     assert len(refusals(done[won, 0][1])) == 1, done[won, 0]
+    assert [m["world_size"] for m in metrics(tmp_path / f"{won}0")] == [2, 2]
+    assert not (tmp_path / f"{lost}1").exists()  # the refused rank wrote nothing
 
 
 def test_stray_traffic_leaves_the_weights_as_they_were(machines: tuple[str, str], tmp_path: Path) -> None:
