@@ -185,9 +185,9 @@ def test_strangers_on_the_same_machine_are_refused_and_the_job_finishes(tmp_path
 def test_a_rank_of_another_run_is_refused_from_another_machine(machines: tuple[str, str], tmp_path: Path) -> None:
     """The tutorial's flags, typed as they are (no secret): node 0 on machine 0 waits for its node 1. From
     machine 1, a node 1 of another run (--seed 4) and one that brings a secret this job does not have, started
-    with node 0, check in first: each is refused with its line and exits 2, while node 0 keeps waiting; then the
-    real node 1 comes, and the job finishes. Node 0's store listens on machine 0's address alone, not on every
-    interface."""
+    with node 0, check in first, and then a second node 0 (-nr 0 typed twice): each is refused with its line and
+    exits 2, while node 0 keeps waiting; then the real node 1 comes, and the job finishes. Node 0's store
+    listens on machine 0's address alone, not on every interface."""
     port = free_port()
     flags = ["-n", "2", "-g", "1", "--master-addr", ADDRS[0], "--master-port", str(port)]
     env, mark = marked_env()
@@ -201,6 +201,11 @@ def test_a_rank_of_another_run_is_refused_from_another_machine(machines: tuple[s
         (rc_other, log_other) = finish(other, tmp_path / "other.log", HANG)
         (rc_keyed, log_keyed) = finish(keyed, tmp_path / "keyed.log", HANG)
         stores = {addr for addr, p in listening(mark) if p == port}
+        # Once node 0's rank 0 admits (the two above were answered), a second node 0 (-nr 0 typed on both
+        # machines) may only check in to it, as a rank 0 it already has.
+        (rc_twice, log_twice) = finish(start([*TRAIN, *flags, "-nr", "0", "--out", str(tmp_path / "z")], env,
+                                             tmp_path, tmp_path / "twice.log", prefix=on(machines[1])),
+                                       tmp_path / "twice.log", HANG)
         node1 = start([*TRAIN, *flags, "-nr", "1", "--out", str(tmp_path / "out1")], env, tmp_path,
                       tmp_path / "1.log", prefix=on(machines[1]))
         (rc0, log0), (rc1, log1) = finish(node0, tmp_path / "0.log", HANG), finish(node1, tmp_path / "1.log", HANG)
@@ -211,9 +216,12 @@ def test_a_rank_of_another_run_is_refused_from_another_machine(machines: tuple[s
     assert rc_keyed == 2 and ours(log_keyed) == [
         f"{head}its secret is not the job's (MNIST_DDP_SECRET or --secret-file must be the same on every node)."], \
         log_keyed
+    assert rc_twice == 2 and ours(log_twice) == [
+        f"mnist-ddp: error: the job at {ADDRS[0]}:{port} refused this process (rank 0): the job has its rank 0 "
+        f"already (is -nr 0 given to two nodes, or is this another job's node 0?)."], log_twice
     assert rc0 == 0 and rc1 == 0, log0 + log1
     lines = refusals(log0)
-    assert len(lines) == 2 and all(f"refused {ADDRS[1]} (" in line for line in lines), log0
+    assert len(lines) == 3 and all(f"refused {ADDRS[1]} (" in line for line in lines), log0
     for log in (log0, log1):  # open to its network, and says so: one line on each node
         assert sum(line.startswith("mnist-ddp: warning: this job has no secret") for line in log.splitlines()) == 1, log
     assert [m["world_size"] for m in metrics(tmp_path / "out")] == [2, 2]
