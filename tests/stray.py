@@ -7,7 +7,8 @@ own network namespace):
   - idle connections, `--idle` of them, held open to the end;
   - a request sent halfway (a store SET whose value never comes), held open;
   - a port scan: connect and close, and random bytes, to every port the job listens on;
-  - 8 MiB values written into the job's well-known keys, again and again, as a TCPStore client.
+  - 8 MiB values written into the job's well-known keys, again and again, as a TCPStore client, and check-ins
+    that are none (random bytes, JSON nested ten thousand deep), listed where rank 0 reads them.
 Runs until the store is gone, `--seconds` pass or it is killed; prints a line per kind of traffic, for the test.
 """
 
@@ -91,6 +92,9 @@ def main() -> None:
         while time.monotonic() < end:
             for key in KEYS:
                 client.set(key, rng.randbytes(BIG) if rounds % 2 else b"\0" * BIG)
+            token = rng.randbytes(16).hex()  # and a check-in of its own that is none: bytes, or JSON nested deep
+            client.set(f"mnist_ddp/checkin/{token}", rng.randbytes(4096) if rounds % 2 else b"[" * 10000)
+            client.append("mnist_ddp/checkins", f"{token}\n")
             for port in job_ports(a.mark) | {a.port}:
                 knock(a.host, port)
                 knock(a.host, port, rng.randbytes(rng.randint(1, 65536)))

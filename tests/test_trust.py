@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO, metrics, progress, run_cli, tiny
+from mnist_ddp.membership import MAX_CHECKIN, CheckIn
 from netns import netns_pair
 from procfs import finish, free_port, marked_env, marked_pids, reaped, socket_inodes, start, wait_for
 
@@ -30,6 +31,8 @@ HANG = 180  # seconds: a hang detector on a shared machine, not a timing asserti
 TRAIN = ["mnist_ddp", "train", *tiny(800, 200, epochs=2), "--seed", "3", "--timeout", "90"]
 LONG = ["mnist_ddp", "train", *tiny(800, 200, epochs=500), "--timeout", "90"]  # stopped once looked at
 SOFT_LIMIT_1024 = ["sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh"]  # a common default soft limit of open files
+GOOD = {"rank": 1, "addr": "10.0.0.2", "host": "node2", "pid": 7, "nonce": "0" * 32, "run": {"seed": "3"},
+        "mac": "0" * 64}  # a check-in's shape
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +317,18 @@ def test_stray_traffic_leaves_the_weights_as_they_were(machines: tuple[str, str]
     assert hashes["here"] == hashes["undisturbed"]
     assert hashes["there"] == hashes["undisturbed"]
     assert hashes["control"] != hashes["undisturbed"]
+
+
+@pytest.mark.parametrize("raw", [b"[" * 10000, b"\xff\xfe", b"null", b'{"rank": 1}',
+                                 json.dumps(GOOD).encode() + b" " * MAX_CHECKIN,
+                                 *(json.dumps({**GOOD, **odd}).encode()
+                                   for odd in ({"rank": "1"}, {"run": {"a": 1}}, {"spare": 1}))],
+                         ids=["nested deep", "not UTF-8", "null", "a part", "too long", "rank a string",
+                              "a setting a number", "a field more"])
+def test_a_check_in_that_is_none_is_read_as_none(raw: bytes) -> None:
+    """Anyone can write a check-in: every shape that is not one is read as none (and refused), nothing raises."""
+    assert CheckIn.parse(json.dumps(GOOD).encode()) == CheckIn(**GOOD)  # the control: a real one is read
+    assert CheckIn.parse(raw) is None
 
 
 # (world size, ranks on this machine, master address, what the user set) -> what the rank sets

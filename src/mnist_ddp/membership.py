@@ -52,7 +52,7 @@ CHECKIN, VERDICT, WELCOME = "mnist_ddp/checkin/", "mnist_ddp/verdict/", "mnist_d
 _HEX32 = re.compile(rb"[0-9a-f]{32}")
 MAX_CHECKIN = 16384  # bytes: a real check-in is a few hundred
 RELIST_S = 2.0  # a candidate without an answer lists its token again (a stray write may have erased the list)
-SHOWN = 20  # refusal lines printed; a flood of them is summed up
+SHOWN = 20  # refusal lines printed, the last saying so: a flood of check-ins is not echoed line by line
 
 
 class Refused(UserError):
@@ -91,7 +91,7 @@ class CheckIn:
         try:
             d = json.loads(raw)
             c = cls(**d) if isinstance(d, dict) else None
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):  # RecursionError: JSON nested thousands deep
             return None
         typed = c is not None and all(isinstance(getattr(c, k), t) for k, t in
                                       (("rank", int), ("addr", str), ("host", str), ("pid", int), ("nonce", str),
