@@ -272,33 +272,33 @@ def test_stray_traffic_leaves_the_weights_as_they_were(machines: tuple[str, str]
     rank 1 comes only once that has begun, so the check-in happens under it all. The store hosts start with a
     soft limit of 1,024 open files. Both disturbed runs end with the undisturbed run's weights, bit for bit; the
     control, the same run with --seed 4, ends with other weights."""
-    env, mark = marked_env()
-    plain = env | {"MNIST_DDP_TEST_MARK": "none"}  # the strangers are not part of the jobs
+    (quiet, quiet_mark), (env_here, mark_here), (env_there, mark_there) = (marked_env() for _ in range(3))
+    plain = quiet | {"MNIST_DDP_TEST_MARK": "none"}  # the strangers are not part of any job
     here, there = free_port(), free_port()
     two = ["-n", "2", "-g", "1", "--master-addr", ADDRS[0], "--master-port", str(there)]
-    one = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(here)}
+    env_here |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(here)}
     stray = [sys.executable, str(REPO / "tests" / "stray.py")]
     logs = [tmp_path / "stray-here", tmp_path / "stray-there"]
-    with reaped(mark):
+    with reaped(quiet_mark), reaped(mark_here), reaped(mark_there):  # each job's mark: a stranger finds only its own
         runs = {
-            "undisturbed": start([*TRAIN, "-g", "2", "--out", str(tmp_path / "undisturbed")], env, tmp_path,
+            "undisturbed": start([*TRAIN, "-g", "2", "--out", str(tmp_path / "undisturbed")], quiet, tmp_path,
                                  tmp_path / "undisturbed.log"),
-            "control": start([*TRAIN, "-g", "2", "--seed", "4", "--out", str(tmp_path / "control")], env, tmp_path,
-                             tmp_path / "control.log"),
-            "here": start([*TRAIN, "--out", str(tmp_path / "here")], env | one | {"RANK": "0", "LOCAL_RANK": "0"},
+            "control": start([*TRAIN, "-g", "2", "--seed", "4", "--out", str(tmp_path / "control")], quiet,
+                             tmp_path, tmp_path / "control.log"),
+            "here": start([*TRAIN, "--out", str(tmp_path / "here")], env_here | {"RANK": "0", "LOCAL_RANK": "0"},
                           tmp_path, tmp_path / "here.log", prefix=SOFT_LIMIT_1024),
-            "there": start([*TRAIN, *two, "-nr", "0", "--out", str(tmp_path / "there")], env, tmp_path,
+            "there": start([*TRAIN, *two, "-nr", "0", "--out", str(tmp_path / "there")], env_there, tmp_path,
                            tmp_path / "there.log", prefix=[*on(machines[0]), *SOFT_LIMIT_1024]),
         }
-        strangers = [start([*stray, "127.0.0.1", str(here), mark], plain, tmp_path, logs[0], module=False),
-                     start([*stray, ADDRS[0], str(there), mark, "--sweep"], plain, tmp_path, logs[1], module=False,
-                           prefix=on(machines[1]))]
+        strangers = [start([*stray, "127.0.0.1", str(here), mark_here], plain, tmp_path, logs[0], module=False),
+                     start([*stray, ADDRS[0], str(there), mark_there, "--sweep"], plain, tmp_path, logs[1],
+                           module=False, prefix=on(machines[1]))]
         for log, p in zip(logs, strangers):
             wait_for("the stranger's first 8 MiB values", lambda log=log: "8 MiB values" in log.read_text(), HANG,
                      running=p)
-        ranks1 = {"here": start([*TRAIN, "--out", str(tmp_path / "here1")],
-                                env | one | {"RANK": "1", "LOCAL_RANK": "1"}, tmp_path, tmp_path / "here1.log"),
-                  "there": start([*TRAIN, *two, "-nr", "1", "--out", str(tmp_path / "there1")], env, tmp_path,
+        ranks1 = {"here": start([*TRAIN, "--out", str(tmp_path / "here1")], env_here | {"RANK": "1", "LOCAL_RANK": "1"},
+                                tmp_path, tmp_path / "here1.log"),
+                  "there": start([*TRAIN, *two, "-nr", "1", "--out", str(tmp_path / "there1")], env_there, tmp_path,
                                  tmp_path / "there1.log", prefix=on(machines[1]))}
         done = {name: finish(p, tmp_path / f"{name}.log", HANG) for name, p in runs.items()}
         done |= {f"{name} rank 1": finish(p, tmp_path / f"{name}1.log", HANG) for name, p in ranks1.items()}
