@@ -201,18 +201,18 @@ def _interface_of(machines: Machines, address: str) -> str:
     return next(line.split()[1] for line in r.stdout.splitlines() if f" {address}/" in line)
 
 
-def test_gloo_listens_on_the_interface_that_reaches_the_master_unless_told(machines: Machines,
-                                                                          tmp_path: Path) -> None:
-    """On machine 0, `-g 2 --master-addr <its veth address>`: rendezvous.gloo_interface picks the veth, and the
-    workers' gloo sockets listen on its address, not on the address the host name resolves to; with
-    GLOO_SOCKET_IFNAME=lo set, on 127.0.0.1. What they listen on is read from /proc, not from our code."""
+def test_gloo_listens_on_loopback_for_one_node_unless_told(machines: Machines, tmp_path: Path) -> None:
+    """On machine 0, `-g 2 --master-addr <its veth address>`: rendezvous.interface_to picks the veth towards that
+    address (and lo towards 127.0.0.1), but a job on one node keeps gloo on loopback, where nothing from
+    outside reaches it; with GLOO_SOCKET_IFNAME=<the veth> set, the workers listen on the veth's address. What
+    they listen on is read from /proc, not from our code."""
     veth = _interface_of(machines, ADDRS[0])
-    ask = f"from mnist_ddp.rendezvous import gloo_interface as g; print(*(g(a) for a in {(*ADDRS, '127.0.0.1')!r}))"
+    ask = f"from mnist_ddp.rendezvous import interface_to as g; print(*(g(a) for a in {(*ADDRS, '127.0.0.1')!r}))"
     picked = subprocess.run([*machines.prefix(0), sys.executable, "-c", ask], env=cli_env(), capture_output=True,
                             text=True, timeout=60)
-    assert picked.stdout.split() == [veth, veth, "None"], picked
+    assert picked.stdout.split() == [veth, veth, "lo"], picked
     env, mark = marked_env()
-    cases = {"chosen": ({}, ADDRS[0]), "GLOO_SOCKET_IFNAME=lo": ({"GLOO_SOCKET_IFNAME": "lo"}, "127.0.0.1")}
+    cases = {"chosen": ({}, "127.0.0.1"), "GLOO_SOCKET_IFNAME=<veth>": ({"GLOO_SOCKET_IFNAME": veth}, ADDRS[0])}
     with reaped(mark):
         runs = {case: start(["mnist_ddp", "train", *tiny(4000, 100, epochs=50), "-n", "1", "-g", "2", "--master-addr",
                              ADDRS[0], "--master-port", str(29410 + n), "--out", str(tmp_path / str(n))],

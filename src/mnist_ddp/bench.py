@@ -21,14 +21,14 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import datasets, tutorial
+from . import datasets, rendezvous, tutorial
 from .config import BenchConfig, DataConfig
 from .errors import UserError
 from .identity import without_launcher_vars
@@ -139,7 +139,8 @@ def run_ours(cfg: BenchConfig, req: DataConfig, device: str, procs: int, out: Pa
 def run_tutorial(spec: tutorial.Spec, procs: int, out: Path) -> Run:
     """The tutorial's training in `procs` spawned processes, as its script starts them."""
     records = out / f"tutorial-{procs}.jsonl"
-    store = dist.TCPStore("127.0.0.1", 0, procs, is_master=True, wait_for_workers=False) if procs > 1 else None
+    # On loopback only, as every one-machine job of ours listens (rendezvous.py).
+    store = rendezvous.host_store("127.0.0.1", 0, procs, timedelta(seconds=300)) if procs > 1 else None
     spec = replace(spec, records=str(records), master_port=store.port if store else 0)
     mp.start_processes(tutorial.worker, args=(spec, procs), nprocs=procs, start_method="spawn")
     del store

@@ -26,6 +26,7 @@ from .config import (
     PredictConfig,
     TrainConfig,
     default,
+    read_secret,
     recipe,
 )
 from .errors import UserError
@@ -83,6 +84,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="node 0's address (default: $MASTER_ADDR, else 127.0.0.1 on one node)")
     g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
                    help="node 0's port (default: $MASTER_PORT, else a free port on one node)")
+    g.add_argument("--secret-file", metavar="PATH",
+                   help="a file (mode 600) holding the job's secret, the same on every node, which every process "
+                   "proves it knows before it may join (default: $MNIST_DDP_SECRET; one node makes its own; none: "
+                   "anyone who reaches node 0 may join; README: Who can reach a job)")
     g.add_argument("--device", default="auto", choices=DEVICES, help="auto = cuda, else mps, else cpu")
     g.add_argument("--backend", choices=BACKENDS, help="collective backend (default: nccl on CUDA, else gloo)")
     g.add_argument("--timeout", type=float, default=default(TrainConfig, "timeout"),
@@ -201,8 +206,9 @@ def _bench_config(a: argparse.Namespace) -> BenchConfig:
 def _train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, device=a.device, backend=a.backend, timeout=a.timeout, heartbeat=a.heartbeat,
-        recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
+        master_port=a.master_port, secret=read_secret(a.secret_file, os.environ), device=a.device,
+        backend=a.backend, timeout=a.timeout, heartbeat=a.heartbeat, recipe_name=a.recipe,
+        recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         sync_bn=a.sync_bn, deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
         target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,

@@ -7,7 +7,10 @@ them in --help). A recipe is resolved once, where the command line is read: the
 bad flag answer at once.
 """
 
+import os
+import stat
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -112,6 +115,9 @@ class TrainConfig:
     device: Device = "auto"
     backend: Backend | None = None  # None: nccl on CUDA, gloo otherwise
     timeout: float = 180.0  # seconds a collective or the rendezvous may wait for a peer
+    # The job's shared secret, which every rank proves it knows (membership.py): --secret-file's or
+    # MNIST_DDP_SECRET's (`read_secret`); None: none given. Never printed, never saved (`to_dict`).
+    secret: bytes | None = field(default=None, repr=False)
     heartbeat: float = 1.0  # seconds between a rank's beats, so a timeout names who hangs (heartbeat.py); 0 = off
     # What to train, and how.
     recipe_name: str = "default"
@@ -168,9 +174,33 @@ class TrainConfig:
         """Plain values only, so a checkpoint holding it loads with weights_only=True; the recipe's knobs
         sit at the top level, beside the recipe's name."""
         out = asdict(self)
+        del out["secret"]
         out |= out.pop("recipe") | {"recipe": out.pop("recipe_name")}
         out["data"]["data_dir"] = str(self.data.data_dir) if self.data.data_dir else None
         return out
+
+
+SECRET_VAR = "MNIST_DDP_SECRET"
+
+
+def read_secret(path: str | None, env: Mapping[str, str]) -> bytes | None:
+    """The job's secret: the contents of `path` (--secret-file), else $MNIST_DDP_SECRET, else None. Surrounding
+    white space is not part of it (`openssl rand -hex 32 > FILE` ends in a newline). A file that others may
+    read is refused, as ssh refuses such a private key: a secret that every user of the machine can read
+    proves nothing."""
+    if path is None:
+        value = env.get(SECRET_VAR)
+        _check(value is None or bool(value.strip()),
+               f"{SECRET_VAR} is set but empty; give it the job's secret (e.g. `openssl rand -hex 32`) or unset it.")
+        return value.strip().encode() if value is not None else None
+    try:
+        mode, secret = os.stat(path).st_mode, Path(path).read_bytes().strip()
+    except OSError as e:
+        raise UserError(f"--secret-file {path} cannot be read ({e.strerror}).") from None
+    _check(not mode & 0o044, f"--secret-file {path} can be read by other users (mode {stat.S_IMODE(mode):04o}); "
+                             f"make it yours alone: chmod 600 {path}.")
+    _check(bool(secret), f"--secret-file {path} is empty; put the job's secret in it (e.g. `openssl rand -hex 32`).")
+    return secret
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import errors, rendezvous, untrusted
+from . import errors, membership, rendezvous, untrusted
 from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, LOST_CONTACT, Heartbeat
 from .identity import Identity
+from .membership import Credentials
 
 T = TypeVar("T")
 MAX_SHARED = 64 * 2**20  # bytes: what one rank may send the others (a checkpoint is ~0.4 MB)
@@ -178,9 +179,11 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,
-          heartbeat_s: float = 0) -> Dist:
-    """Join the process group on `device` (one process needs none): nccl for CUDA, gloo otherwise; with
-    `heartbeat_s`, this rank beats to the store every so many seconds (heartbeat.py)."""
+          heartbeat_s: float = 0, creds: Credentials | None = None) -> Dist:
+    """Join the process group on `device` (one process needs none): nccl for CUDA, gloo otherwise, once every
+    rank has proven with `creds` that it belongs to the job (membership.py; None: no secret, no run settings, as
+    for processes a test starts itself); with `heartbeat_s`, this rank beats to the store every so many seconds
+    (heartbeat.py)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     beat = None
@@ -188,23 +191,24 @@ def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s:
         if device.type == "mps":
             raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
         beat = _join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
-                     heartbeat_s)
+                     heartbeat_s, creds or Credentials())
     return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id, beat)
 
 
-def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float) -> Heartbeat | None:
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = rendezvous.gloo_interface(ident.master_addr)
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
+          creds: Credentials) -> Heartbeat | None:
+    os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
     beat = None
-    try:
-        store = rendezvous.joined_store(ident, timeout)
-        if heartbeat_s:  # before the rendezvous, so that a collective that times out can name who hangs
+
+    def start_beating() -> None:  # once this rank is in, so that a timeout later can name who hangs
+        nonlocal beat
+        if heartbeat_s:
             beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
             beat = Heartbeat(dist.PrefixStore("mnist_ddp/heartbeat", beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
-        rendezvous.meet(store, ident, timeout)  # every rank arrived, or the ones that never came are named
+    try:
+        store = rendezvous.joined_store(ident, timeout)
+        membership.meet(store, ident, creds, timeout, start_beating)  # every rank proven, or the missing named
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout)
         if beat:
             beat.at("setting up (data, model, checkpoint)")

@@ -77,6 +77,11 @@ class Identity:
     attempt: int = 0  # torchrun's restart count: each attempt meets in a namespace of its own
     run_id: str = ""  # torchrun's job id: --rdzv-id, or a fresh uuid per torchrun under --standalone
 
+    @property
+    def one_node(self) -> bool:
+        """Whether every rank runs on this machine: then the job listens on loopback only (rendezvous.py)."""
+        return self.local_world_size == self.world_size
+
 
 def _int(env: Mapping[str, str], key: str) -> int | None:
     """`env[key]` as an integer, None when absent; a value that is no number is the user's to fix."""
@@ -135,7 +140,8 @@ def _from_torchrun(env: Mapping[str, str]) -> Identity:
 
 
 def _from_slurm(env: Mapping[str, str]) -> Identity:
-    """srun's variables: the master is the step's first node, the port derived from the job id."""
+    """srun's variables: the master is the step's first node (127.0.0.1 when the step has one node), the port
+    derived from the job id."""
     rank, world = _int(env, "SLURM_PROCID") or 0, _int(env, "SLURM_NTASKS") or 0
     local_rank = _int(env, "SLURM_LOCALID") or 0
     here = tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), _int(env, "SLURM_NODEID") or 0)
@@ -147,7 +153,7 @@ def _from_slurm(env: Mapping[str, str]) -> Identity:
     addr = env.get("MASTER_ADDR")
     if not addr:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        addr = first_host(nodes) if nodes else "127.0.0.1"
+        addr = first_host(nodes) if nodes and local_world < world else "127.0.0.1"
     return Identity(rank, local_rank, world, local_world, "rank0" if world > 1 else "none",
                     master_addr=addr, master_port=port, launcher="SLURM")
 

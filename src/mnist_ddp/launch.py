@@ -14,6 +14,7 @@ written is never left half-done), and the parent takes its children down with it
 
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .identity import Identity
+from .membership import Credentials
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)
@@ -69,7 +71,13 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         device = distributed.pick_device(cfg.device, ident.local_rank)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size)
-        d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat)
+        creds = Credentials(cfg.secret or b"", train.run_settings(cfg, ident.world_size))
+        d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
+        if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
+            # Not an error: the tutorial's flags, typed as they are, must keep working.
+            print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any process "
+                  f"that can reach {ident.master_addr}:{ident.master_port} could have joined it; give every node the "
+                  f"same secret (README: Who can reach a job).", file=sys.stderr, flush=True)
         finished = False
         try:
             if check_out:
@@ -201,12 +209,16 @@ def _stop(children: mp.ProcessContext) -> None:
 
 
 def spawn(cfg: TrainConfig) -> int:
-    """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
+    """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store. On one node the
+    parent makes the job's secret and hands it to its children alone (never to the store, never to disk)."""
     addr = cfg.master_addr or "127.0.0.1"
+    if cfg.nodes == 1:
+        cfg = replace(cfg, secret=secrets.token_bytes(32))
     store = None
     with _signals_interrupt():
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
-            store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
+            store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout),
+                                          one_node=cfg.nodes == 1)
         port = store.port if store is not None else cfg.master_port
         forkserver.start()  # already running when started from the command line (cli.py)
         reports = ErrorPipe()

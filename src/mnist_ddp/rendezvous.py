@@ -1,19 +1,25 @@
-"""Where the processes of a job meet: the rendezvous store, and the network gloo uses.
+"""Where the processes of a job meet: the rendezvous store, and the network gloo and NCCL use.
 
 Every multi-process launch starts at a TCP key-value store on node 0 (rank 0's machine):
 node 0's spawning parent or rank 0 hosts it, torchrun's agent may host it for us, and every
 other process connects to it, finds the others' addresses there and then talks to them
-directly. The helpers here make the failure modes of that first contact clear and bounded
-by --timeout: a port in use, nobody listening, nodes that disagree on the world size, and
-a hostname that resolves to loopback.
+directly. The store listens only where the ranks can be: on loopback for a job on one machine,
+on the master address alone for several (not on every interface, as TCPStore would), and gloo
+and NCCL use the interface that leads there. Who may count as a rank is membership.py's to prove.
+The helpers here make the failure modes of that first contact clear and bounded by --timeout: a
+port in use, nobody listening, nodes that disagree on the world size, and a hostname that resolves
+to loopback.
 """
 
+import errno
 import ipaddress
 import re
 import socket
 import struct
 import sys
 import time
+from collections.abc import Mapping
+from contextlib import suppress
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -23,15 +29,30 @@ from .errors import UserError
 from .identity import Identity
 
 WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares
-ARRIVED = "mnist_ddp/arrived"  # each rank checks in under ARRIVED/<rank> before the process group is made
+# The interfaces gloo and NCCL open their sockets on; set here only where the user has not set them.
+SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """Open the job's rendezvous store on node 0 (port 0: any free port). Listening fails at once when the
-    port is taken, the clearest moment to say so; the world size is left in it for every joiner to check."""
-    resolve(addr)  # else TCPStore's own client would retry the name for minutes, deaf to Ctrl-C
+def host_store(addr: str, port: int, world_size: int, timeout: timedelta, one_node: bool = True) -> dist.TCPStore:
+    """Open the job's rendezvous store on node 0 (port 0: any free port), listening on `listen_address` only.
+    Listening fails at once when the port is taken, the clearest moment to say so; the world size is left in
+    it for every joiner to check."""
+    ip = listen_address(addr, one_node)
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        bound = _bound(ip, port) if ip else None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} is already in use on this machine (another job or program listens "
+                            f"there); choose another --master-port (or MASTER_PORT).") from None
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({e.strerror}); "
+                            f"choose another --master-port (or MASTER_PORT).") from None
+        bound = None  # not an address of this machine (a public address in front of it): every interface
+    _allow_many_connections()
+    try:  # TCPStore takes the bound socket over, and closes it with the store
+        store = dist.TCPStore(ip if bound else addr, bound.getsockname()[1] if bound else port, world_size,
+                              is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=bound.detach() if bound else None)
     except (RuntimeError, OSError) as e:
         if "EADDRINUSE" in str(e):
             raise UserError(f"port {port} is already in use on this machine (another job or program listens "
@@ -40,6 +61,59 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dis
                         f"choose another --master-port (or MASTER_PORT).") from e
     store.set(WORLD_KEY, str(world_size))
     return store
+
+
+def listen_address(addr: str, one_node: bool) -> str | None:
+    """The address node 0's store listens on: the master address, as this machine resolves it — loopback for a
+    job on one machine (so nothing from outside reaches it), the one interface the other nodes reach for
+    several. None (every interface) where the master address is a name that resolves to loopback here but
+    cannot be that for the other nodes (Debian's 127.0.1.1 for the host's own name)."""
+    ip = resolve(addr)
+    return None if not one_node and _loopback_by_name(addr, ip) else ip
+
+
+def _loopback_by_name(addr: str, ip: str) -> bool:
+    """Whether `addr` is a host name that resolves to the loopback address `ip` on this machine only (Debian's
+    127.0.1.1 for its own name): the other nodes resolve it to an address they can reach. A loopback address
+    written as such (127.0.0.1) means what it says: every node runs on this machine."""
+    try:
+        ipaddress.ip_address(addr)
+        return False
+    except ValueError:
+        return ipaddress.ip_address(ip).is_loopback
+
+
+def open_to_network(ident: Identity) -> bool:
+    """Whether processes on other machines can reach this job's store (it spans several, and its master address
+    is not a loopback one): there, only the job's secret tells its ranks from strangers."""
+    ip = listen_address(ident.master_addr, ident.one_node)
+    return not ident.one_node and (ip is None or not ipaddress.ip_address(ip).is_loopback)
+
+
+def _bound(ip: str, port: int) -> socket.socket:
+    """A TCP socket bound to `ip`:`port`, for TCPStore to listen on (it would bind every interface itself)."""
+    s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a closed job's TIME_WAITs
+        s.bind((ip, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _allow_many_connections() -> None:
+    """Raise this process's open-file limit to the hard limit: the store takes one descriptor per connection,
+    and at the common soft limit of 1024 a thousand stray connections would leave none for the ranks."""
+    if sys.platform == "win32":
+        return
+    import resource  # POSIX only
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with suppress(ValueError, OSError):  # not allowed here: the store works within the soft limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def resolve(addr: str) -> str:
@@ -85,38 +159,38 @@ def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
     if ident.store_host == "agent":
         return connect(ident, timeout)
     if ident.store_host == "rank0" and ident.rank == 0:
-        return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout)
+        return host_store(ident.master_addr, ident.master_port, ident.world_size, timeout, ident.one_node)
     wait_for_listener(ident, timeout)
     store = connect(ident, timeout)
-    expected = untrusted.count(store.get(WORLD_KEY), "the world size in the store")  # anyone can write it
+    try:  # anyone who reaches the store can write it; the check-in compares the world size again (membership.py)
+        expected = untrusted.count(store.get(WORLD_KEY), "the world size in the store")
+    except ValueError:
+        expected = ident.world_size
     if expected != ident.world_size:
         raise UserError(f"node 0 started a job of {expected} processes, but this one was told the job has "
                         f"{ident.world_size}; give every node the same -n and -g (or the same number of tasks).")
     return store
 
 
-def meet(store: dist.Store, ident: Identity, timeout: timedelta) -> None:
-    """Wait until every rank has checked in at the store. init_process_group waits for its peers inside C++,
-    where Ctrl-C and SIGTERM are not seen until it gives up; polling here keeps a process that waits for
-    peers stoppable, and the timeout can say which ranks never came."""
-    store.set(f"{ARRIVED}/{ident.rank}", "1")
-    keys = [f"{ARRIVED}/{r}" for r in range(ident.world_size)]
-    deadline, pause = time.monotonic() + timeout.total_seconds(), 0.01
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            shown = ", ".join(map(str, missing[:8])) + (" …" if len(missing) > 8 else "")
-            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {shown} never arrived")
-        time.sleep(pause)
-        pause = min(1.0, pause * 1.5)  # a thousand ranks polling node 0's store stay a light load
+def socket_interfaces(ident: Identity, env: Mapping[str, str]) -> dict[str, str]:
+    """What to set of GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (those the user left unset): the interface that
+    leads to the master, loopback for a job on one machine. Left alone, gloo listens on the address the
+    hostname resolves to (on many machines a loopback address other nodes cannot reach) and NCCL on the first
+    interface it likes (on multi-homed nodes often one the others cannot reach, and never loopback)."""
+    if ident.one_node:
+        name = interface_to("127.0.0.1")
+    else:
+        ip = resolve(ident.master_addr)
+        name = None if _loopback_by_name(ident.master_addr, ip) else interface_to(ip)
+    if name is None:
+        return {}
+    # NCCL takes a prefix ("eth" = eth0, eth1, …); "=" asks for exactly this one.
+    return {var: value for var, value in zip(SOCKET_IFNAMES, (name, f"={name}")) if var not in env}
 
 
-def gloo_interface(addr: str) -> str | None:
-    """The network interface (e.g. 'eth0') this machine reaches `addr` through; None for loopback or unknown.
-
-    Left alone, gloo listens on the address the hostname resolves to, and on many machines (Debian's
-    127.0.1.1, containers, network namespaces) that is a loopback address that other nodes cannot reach.
-    """
+def interface_to(addr: str) -> str | None:
+    """The network interface (e.g. 'eth0', 'lo') this machine reaches `addr` through; None where that cannot be
+    told (not Linux, no route, a name that does not resolve)."""
     if sys.platform != "linux":
         return None
     import fcntl  # POSIX only
@@ -124,8 +198,6 @@ def gloo_interface(addr: str) -> str | None:
     siocgifaddr = 0x8915  # Linux ioctl: the IPv4 address of an interface
     try:
         ip = socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0]
-        if ipaddress.ip_address(ip).is_loopback:
-            return None
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((ip, 9))  # a UDP connect sends nothing: the kernel only picks the route and our address
             local = s.getsockname()[0]

@@ -50,6 +50,17 @@ RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "b
                      "scheduler", "normalize", "label_smoothing", "seed")
 
 
+def run_settings(cfg: TrainConfig, world_size: int) -> dict[str, str]:
+    """What every rank of one run must agree on, which each proves at check-in (membership.py): the settings a
+    resume must keep, the data and its share per rank, and the world. A rank that differs in any of them would
+    compute another run's steps, or wait for collectives the others never make."""
+    flat = cfg.to_dict()
+    agreed = {k: flat[k] for k in RESUME_MUST_MATCH} | {
+        "dataset": cfg.data.dataset, "train_samples": cfg.data.train_samples, "test_samples": cfg.data.test_samples,
+        "accumulate": cfg.accumulate, "world_size": world_size}
+    return {k: str(v) for k, v in agreed.items()}
+
+
 class Diverged(UserError):
     """The loss or the gradients stopped being finite: not bad input, so exit code 1."""
 
