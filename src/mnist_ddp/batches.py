@@ -112,8 +112,8 @@ class Share:
         m, w = self.slots, self.world
         if w > m and self.whole:
             idle = f"rank {m}" if w == m + 1 else f"ranks {m}-{w - 1}"
-            return (f"{idle} of {w} train none of its {m} micro-batches of {batch} (they are kept whole: cut, "
-                    f"BatchNorm would normalise other groups) and only take part in each step's reduction")
+            return (f"{idle} train none of its {m} micro-batches of {batch} (--bitwise keeps them whole: cut, "
+                    f"BatchNorm would normalise other groups) and only join each step's reduction")
         if w > m:
             size = m * batch / w
             return (f"its {m * batch} samples cut into {w} micro-batches of ~{size:.3g}, one per process "
