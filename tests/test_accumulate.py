@@ -53,7 +53,9 @@ class _Buckets:
         pass
 
 
-MODES = ("ddp", "mean", "bitwise")  # DDP without a comm hook; our hook of DDP's mean; --bitwise's slot order
+# DDP without a comm hook; our hook of DDP's mean; --bitwise's slot order, in one bucket (as train.wrap makes
+# it: 116 kB) and in several (DDP rebuilds its buckets after the first backward: the last step has 3)
+MODES = ("ddp", "mean", "bitwise", "bitwise, buckets of 50 kB")
 
 
 def _rank(d: Dist, out: str, slots: int) -> None:
@@ -64,12 +66,16 @@ def _rank(d: Dist, out: str, slots: int) -> None:
         torch.manual_seed(0)
         # channels_last, the CPU default: a bucket is laid out in each parameter's memory order (reduction.laid_out)
         model = ConvNet().to(memory_format=torch.channels_last)
-        share = Share(slots, d.world_size, whole=mode == "bitwise")
-        reduce = reduction.for_run(mode == "bitwise", model, share, d.rank)
+        bitwise = mode.startswith("bitwise")
+        share = Share(slots, d.world_size, whole=bitwise)
+        reduce = reduction.for_run(bitwise, model, share, d.rank)
         accumulating = share.parts > share.world
-        if mode == "ddp" and d.world_size > 1:
-            net = DDP(model, gradient_as_bucket_view=True, static_graph=not accumulating, bucket_cap_mb=1,
-                      **train._NO_BUFFER_SYNC_PER_STEP)
+        if mode in ("ddp", "bitwise, buckets of 50 kB") and d.world_size > 1:
+            # (a static graph would rebuild its buckets only after the second backward)
+            net = DDP(model, gradient_as_bucket_view=True, static_graph=not (accumulating or bitwise),
+                      bucket_cap_mb=0.05 if bitwise else 1, **train._NO_BUFFER_SYNC_PER_STEP)
+            if bitwise:
+                net.register_comm_hook(reduce, reduction.comm_hook)
         else:
             net = train.wrap(model, TrainConfig(), d, accumulating=accumulating, reduce=reduce)
         buckets = reduce.observer = _Buckets()
@@ -145,11 +151,12 @@ def test_every_world_computes_the_global_batch_mean_gradient(results: dict[str, 
 
 @pytest.mark.parametrize("step", ["first", "last"])
 def test_bitwise_gradient_is_the_same_bits_at_every_world(results: dict[str, list[dict]], step: str) -> None:
-    """One thread per process (spawn_gloo), as --bitwise pins it: every world's gradient is the same bits."""
-    key = f"bitwise {step}"
-    one_process = results["1x4"][0][key]
+    """One thread per process (spawn_gloo), as --bitwise pins it: every world's gradient is the same bits, in
+    one bucket or several."""
+    one_process = results["1x4"][0][f"bitwise {step}"]
     for name in SAME_RUN:
-        assert torch.equal(results[name][0][key], one_process), name
+        for mode in ("bitwise", "bitwise, buckets of 50 kB"):
+            assert torch.equal(results[name][0][f"{mode} {step}"], one_process), (name, mode)
     # The same check has teeth: DDP's mean of the same micro-batches, at another world, rounds differently.
     assert not all(torch.equal(results[name][0][f"mean {step}"], results["1x4"][0][f"mean {step}"])
                    for name in SAME_RUN)
@@ -168,3 +175,4 @@ def test_one_reduction_per_step_however_many_micro_batches(results: dict[str, li
         for r in results[name]:
             for mode in ("mean", "bitwise"):
                 assert (r[f"{mode} first buckets"], r[f"{mode} last buckets"]) == (1, 1), (name, mode)
+            assert r["bitwise, buckets of 50 kB last buckets"] == 3, name  # 116 kB in buckets of 50 kB

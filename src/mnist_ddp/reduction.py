@@ -11,7 +11,8 @@ such hooks (`comm_hook`, installed by `train.wrap`), and the loop's `steps.accum
   gradients apart (`keep`, after every backward under `no_sync`, which still skips the collective); the
   hook all-gathers every micro-batch slot's gradient and every rank adds them in slot order 0…M−1, as one
   process accumulating the M micro-batches in that order does in `.grad`. Elementwise additions in a fixed
-  order give the same bits on any machine, so the step's gradient is the same at any world size. Cost: each
+  order give the same bits wherever the parts were computed, so the step's gradient is the same at any
+  world size. Cost: each
   rank receives (W−1)·⌈M/W⌉ slot gradients of 4n bytes per step (n = 29,034 parameters: 116 kB each)
   where the ring all-reduce moves 2(W−1)/W·4n: M/2 times as many bytes when W divides M.
 An observer (`BucketObserver`), when one is set, is told when backward handed each bucket over and when its
@@ -116,8 +117,7 @@ class SlotReduction(Reduction):
         params, buffer = bucket.parameters(), bucket.buffer()
         earlier = [laid_out(params, slot, buffer) for slot in zip(*(self.kept.pop(p, []) for p in params))]
         mine = [*earlier, buffer] if self.trains else []  # the buffer holds the rank's last slot
-        gathered = buffer.new_empty(self.share.world * per_rank(self.share), buffer.numel())
-        work = dist.all_gather_single(gathered, padded_rows(mine, self.share, buffer), async_op=True)
+        work, gathered = gather(mine, self.share, buffer, async_op=True)
 
         def summed(_: torch.futures.Future) -> torch.Tensor:
             return ordered_sum(in_part_order(gathered, self.share), out=buffer)
@@ -165,15 +165,21 @@ def ordered_sum(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None) 
     return total
 
 
-def all_parts(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's parts on every rank, in part order: one all-gather of rows shaped like `like` (this rank's
-    are `mine`, in its part order). Used for BatchNorm's statistics per part (steps.PartStats)."""
-    if share.world == 1:
-        return list(mine)
+def gather(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor,
+           async_op: bool = False) -> tuple[dist.Work | None, torch.Tensor]:
+    """Every rank's parts (rows shaped like `like`; this rank's are `mine`, in its part order) on every rank:
+    one all-gather into the tensor returned, `per_rank` rows from each rank in rank order (`in_part_order`)."""
     send = padded_rows(mine, share, like)
     gathered = send.new_empty(share.world * per_rank(share), like.numel())
-    dist.all_gather_single(gathered, send)
-    return in_part_order(gathered, share)
+    return dist.all_gather_single(gathered, send, async_op=async_op), gathered
+
+
+def all_parts(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's parts on every rank, in part order (`gather`, waited for). Used for BatchNorm's statistics
+    per part (steps.PartStats)."""
+    if share.world == 1:
+        return list(mine)
+    return in_part_order(gather(mine, share, like)[1], share)
 
 
 def for_run(bitwise: bool, model: nn.Module, share: Share, rank: int) -> Reduction:
