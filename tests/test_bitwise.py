@@ -6,13 +6,14 @@ lr 0.05, momentum 0.9: any deviation grows to ~1e-3 within 30 steps) and uses th
 (channels_last). Its global batch is 4 micro-batches of 8, 30 steps over 2 epochs, trained
 - in one process (--accumulate 4), on 2 processes (--accumulate 2, profiled), on 4;
 - by 1 process stopped after its first checkpoint and resumed on 3 (sharing 4 micro-batches unevenly), and by
-  4 processes stopped mid-epoch 1, resumed on 3, stopped mid-epoch 2 and resumed on 2;
+  4 processes killed (SIGKILL, all of them) mid-epoch 1, resumed on 3, stopped mid-epoch 2 and resumed on 2;
 - on two machines (network namespaces), 2 processes each;
 and all must save the same bytes. Controls that must differ: the same run with DDP's mean reduction, and a run
 of another global batch (2 micro-batches), whose own copy resumed on 4 processes — more processes than
 micro-batches, two of them idle — saves its bytes again.
 """
 
+import os
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -47,27 +49,32 @@ def _train(out: Path, *extra: str, args: list[str] = BITWISE) -> str:
     return r.stdout
 
 
-def _stopped(out: Path, until: Callable[[dict], bool], *extra: str) -> str:
-    """A run with a checkpoint after every step, stopped (SIGTERM, as Ctrl-C or scancel do) once a checkpoint
-    satisfies `until`; returns what it said about resuming. Where exactly it stops does not matter: any
-    checkpoint continues the same run."""
+def _stopped(out: Path, until: Callable[[dict], bool], *extra: str, kill: bool = False) -> str:
+    """A run with a checkpoint after every step, stopped once a checkpoint satisfies `until` — by SIGTERM, as
+    Ctrl-C or scancel do, or killed (`kill`: SIGKILL to every process of it, wherever they are, a save
+    included) — returns what it said about resuming. Where exactly it stops does not matter: any checkpoint
+    continues the same run."""
     log = out.parent / f"{out.name}.log"
-    with open(log, "w") as f:
+    with open(log, "w") as f:  # a session of its own: its process group is the launcher, fork server and ranks
         run = subprocess.Popen([sys.executable, "-m", "mnist_ddp", "train", *BITWISE, "--checkpoint-every", "1",
                                 *extra, "--out", str(out)], cwd=out.parent, env=cli_env(ONE_THREAD), stdout=f,
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while not ((seen := progress(out)) and until(seen)):
             assert run.poll() is None, f"the run ended before it could be stopped: {log.read_text()}"
             assert time.monotonic() < deadline, "no such checkpoint in time"
             time.sleep(0.005)
-        run.send_signal(signal.SIGTERM)
+        if kill:
+            os.killpg(run.pid, signal.SIGKILL)
+        else:
+            run.send_signal(signal.SIGTERM)
         run.wait(RUN_TIMEOUT)
     finally:
-        run.kill()
+        with suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
         run.wait()
-    assert run.returncode == 130, log.read_text()  # stopped, not finished
+    assert run.returncode == (-signal.SIGKILL if kill else 130), log.read_text()  # stopped, not finished
     return _resume_lines(log.read_text())
 
 
@@ -100,7 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     one("4", lambda out: _train(out, "-g", "4"))
     one("1 → 3", lambda out: _stopped(out, lambda p: True, "--accumulate", "4") + _resumed(out, 3))
     one("4 → 3 → 2", lambda out: "\n".join((
-        _stopped(out, lambda p: p["epoch"] == 0 and p["consumed"] >= 3 * 32, "-g", "4"),  # inside epoch 1
+        _stopped(out, lambda p: p["epoch"] == 0 and p["consumed"] >= 3 * 32, "-g", "4", kill=True),  # in epoch 1
         _resumed(out, 3, until=lambda p: p["epoch"] == 1 and p["consumed"] > 0),  # inside epoch 2
         _resumed(out, 2))))
     one("control: DDP's mean", lambda out: _train(out, "-g", "2", "--accumulate", "2", args=ARGS))

@@ -111,9 +111,9 @@ class Share:
         """How the step's work is shared, in words (empty when every process trains one whole slot)."""
         m, w = self.slots, self.world
         if w > m and self.whole:
-            idle = f"rank {m}" if w == m + 1 else f"ranks {m}-{w - 1}"
-            return (f"{idle} train none of its {m} micro-batches of {batch} (--bitwise keeps them whole: cut, "
-                    f"BatchNorm would normalise other groups) and only join each step's reduction")
+            idle, s = (f"rank {m}", "s") if w == m + 1 else (f"ranks {m}-{w - 1}", "")
+            return (f"{idle} train{s} none of its {m} micro-batches of {batch} (--bitwise keeps them whole: cut, "
+                    f"BatchNorm would normalise other groups) and only join{s} each step's reduction")
         if w > m:
             size = m * batch / w
             return (f"its {m * batch} samples cut into {w} micro-batches of ~{size:.3g}, one per process "
