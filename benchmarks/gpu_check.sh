@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check, under 5 minutes: the bench on CUDA (images/s and the ratios against the tutorial),
-# then the compute settings side by side and a per-phase profile of a step.
+# One-shot GPU check, under 6 minutes: the bench on CUDA (images/s and the ratios against the tutorial),
+# then the compute settings side by side, a per-phase profile of a step, and what --bitwise shows on one GPU.
 #
 #   bash benchmarks/gpu_check.sh            # on a machine with an NVIDIA GPU and a CUDA build of torch
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu_check.sh   # the same script as a smoke run anywhere
@@ -45,3 +45,6 @@ echo "== where a step's time goes (default settings)"
 prof=(--steps 300)
 [ -n "${QUICK:-}" ] && prof=(--steps 20 --warmup 5)
 timeout 40 "$PY" benchmarks/profile_epoch.py --device "$DEVICE" --procs 1 "${prof[@]}" || echo "(profile stopped: $?)"
+
+echo "== --bitwise on one GPU: the same run twice saves the same bytes; 2 micro-batches of 2B are another run"
+timeout 120 "$PY" benchmarks/bitwise_check.py --device "$DEVICE" || echo "(bitwise check stopped: $?)"

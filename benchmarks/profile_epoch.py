@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, distributed, identity, rendezvous, timeline, train
+from mnist_ddp import compute, datasets, distributed, identity, reduction, rendezvous, timeline, train
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
@@ -30,7 +30,7 @@ PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
 
 
 class _Seconds(list):
-    """Each bucket's all-reduce seconds, from the comm hook `mnist-ddp train --profile` uses."""
+    """Each bucket's all-reduce seconds, from the clock `mnist-ddp train --profile` puts on the comm hook."""
 
     def bucket(self, handed_over: float, back: float) -> None:
         self.append(back - handed_over)
@@ -58,10 +58,9 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt, schedule = train.build_optimizer(cfg.recipe, model)
-    net = train.wrap(model, cfg, d)
-    reduce_seconds = _Seconds()
-    if world > 1:
-        net.register_comm_hook(reduce_seconds, timeline.timed_allreduce)  # --profile's hook: DDP's reduction, timed
+    reduce_seconds, mean = _Seconds(), reduction.MeanReduction(world)
+    mean.observer = timeline.BucketClock(reduce_seconds.bucket)  # as --profile times DDP's reduction
+    net = train.wrap(model, cfg, d, reduce=mean)
 
     def tick() -> float:
         if device.type == "cuda":

@@ -1,10 +1,12 @@
 """One run, any world size: the step's gradient is the same for every way of sharing the run's global batch.
 
-Real gloo ranks run the real pieces (`StepBatches`, `train.wrap`, `steps.accumulate`, `PartStats`) for the
-first and the last (shorter) step of an epoch and save the all-reduced gradient. The run's global batch is
-M = 4 micro-batches; worlds 1, 2, 4 (accumulating 4, 2, 1 each) and 3 (sharing 4 unevenly) must agree to
-float summation order, a run of another global batch must not, and the gradient must be the mean over the
-step's samples, written here independently. A comm hook counts the all-reduces: exactly one per step.
+Real gloo ranks run the real pieces (`StepBatches`, `train.wrap`, `steps.accumulate`, `PartStats`, the
+reductions) for the first and the last (shorter) step of an epoch and save the reduced gradient, once with
+each reduction: DDP's own (no comm hook), ours of DDP's mean, and --bitwise's slot order. The run's global
+batch is M = 4 micro-batches; worlds 1, 2, 4 (accumulating 4, 2, 1 each) and 3 (sharing 4 unevenly) must
+agree to float summation order with the mean, to the last bit with --bitwise; our mean must be DDP's own bit
+for bit; a run of another global batch must differ, and the gradient must be the mean over the step's
+samples, written here independently. An observer of the reduction counts the buckets: one per step.
 """
 
 import math
@@ -13,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
-from mnist_ddp import checkpoint, train
+from mnist_ddp import checkpoint, reduction, train
 from mnist_ddp.batches import Share, StepBatches, epoch_order, model_input, padded
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
@@ -41,32 +42,57 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+class _Buckets:
+    """An observer of the reduction (what --profile's clock is): counts the buckets handed over."""
+
+    def __init__(self) -> None:
+        self.handed_over_count = 0
+
+    def handed_over(self, bucket: int) -> None:
+        self.handed_over_count += 1
+
+    def back(self, bucket: int) -> None:
+        pass
+
+
+# DDP without a comm hook; our hook of DDP's mean; --bitwise's slot order, in one bucket (as train.wrap makes
+# it: 116 kB) and in several (DDP rebuilds its buckets after the first backward: the last step has 3)
+MODES = ("ddp", "mean", "bitwise", "bitwise, buckets of 50 kB")
+
+
 def _rank(d: Dist, out: str, slots: int) -> None:
-    """Rank d.rank of a world sharing `slots` micro-batches: the gradients of steps 0 and -1, and the
-    number of all-reduces each made."""
-    torch.manual_seed(0)
-    model = ConvNet()
-    share = Share(slots, d.world_size)
-    net = train.wrap(model, TrainConfig(), d, accumulating=share.parts > share.world)
-    calls = []
-    if d.world_size > 1:
-        def counting(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            calls.append(bucket.index())
-            return allreduce_hook(state, bucket)  # DDP's own all-reduce (the mean), only counted
-        net.register_comm_hook(None, counting)
-    images, labels = _data()
-    batches = StepBatches(images, labels, BATCH, share, rank=d.rank, device=CPU, seed=0)
-    stats = PartStats(model, share.mine(d.rank), share.parts, d)
-    scaler = train.guard(CPU, "off")
-    steps = list(batches)
+    """Rank d.rank of a world sharing `slots` micro-batches, in each mode: the gradients of steps 0 and -1, and
+    the number of buckets each reduced."""
     saved = {}
-    for name, step in (("first", steps[0]), ("last", steps[-1])):  # no optimizer step: both from the same weights
-        before = len(calls)
-        model.zero_grad(set_to_none=True)
-        accumulate(net, step, stats, scaler, d.world_size, "off", 0.0)
-        saved[name] = _grads(model)
-        saved[f"{name}_allreduces"] = len(calls) - before
-    saved["micro_batches"] = len(steps[0].micro_batches)
+    for mode in MODES:
+        torch.manual_seed(0)
+        # channels_last, the CPU default: a bucket is laid out in each parameter's memory order (reduction.laid_out)
+        model = ConvNet().to(memory_format=torch.channels_last)
+        bitwise = mode.startswith("bitwise")
+        share = Share(slots, d.world_size, whole=bitwise)
+        reduce = reduction.for_run(bitwise, model, share, d.rank)
+        accumulating = share.parts > share.world
+        if mode in ("ddp", "bitwise, buckets of 50 kB") and d.world_size > 1:
+            # (a static graph would rebuild its buckets only after the second backward)
+            net = DDP(model, gradient_as_bucket_view=True, static_graph=not (accumulating or bitwise),
+                      bucket_cap_mb=0.05 if bitwise else 1, **train._NO_BUFFER_SYNC_PER_STEP)
+            if bitwise:
+                net.register_comm_hook(reduce, reduction.comm_hook)
+        else:
+            net = train.wrap(model, TrainConfig(), d, accumulating=accumulating, reduce=reduce)
+        buckets = reduce.observer = _Buckets()
+        images, labels = _data()
+        batches = StepBatches(images, labels, BATCH, share, rank=d.rank, device=CPU, seed=0, channels_last=True)
+        stats = PartStats(model, share, d.rank)
+        scaler = train.guard(CPU, "off")
+        steps = list(batches)
+        for name, step in (("first", steps[0]), ("last", steps[-1])):  # no optimizer step: both from the same weights
+            before = buckets.handed_over_count
+            model.zero_grad(set_to_none=True)
+            accumulate(net, step, stats, reduce, scaler, "off", 0.0)
+            saved[f"{mode} {name}"] = _grads(model)
+            saved[f"{mode} {name} buckets"] = buckets.handed_over_count - before
+        saved["micro_batches"] = len(steps[0].micro_batches)
     torch.save(saved, os.path.join(out, f"rank{d.rank}.pt"))
 
 
@@ -107,24 +133,51 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+SAME_RUN = ("1x4", "2x2", "4x1", "3 sharing 4")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("step", ["first", "last"])
-def test_every_world_computes_the_global_batch_mean_gradient(results: dict[str, list[dict]], step: str) -> None:
+def test_every_world_computes_the_global_batch_mean_gradient(results: dict[str, list[dict]], step: str,
+                                                             mode: str) -> None:
     with one_thread():
         expected = _reference(0 if step == "first" else LAST)
-    for name in ("1x4", "2x2", "4x1", "3 sharing 4"):
+    key = f"{mode} {step}"
+    for name in SAME_RUN:
         ranks = results[name]
         for r in ranks[1:]:
-            assert torch.equal(r[step], ranks[0][step]), name  # the all-reduce left every rank the same gradient
-        assert _rel(ranks[0][step], expected) < 1e-5, (name, _rel(ranks[0][step], expected))
-    assert _rel(results["control: 2x1"][0][step], expected) > 1e-2  # another global batch: another gradient
+            assert torch.equal(r[key], ranks[0][key]), name  # the reduction left every rank the same gradient
+        assert _rel(ranks[0][key], expected) < 1e-5, (name, _rel(ranks[0][key], expected))
+    assert _rel(results["control: 2x1"][0][key], expected) > 1e-2  # another global batch: another gradient
 
 
-def test_one_all_reduce_per_step_however_many_micro_batches(results: dict[str, list[dict]]) -> None:
+@pytest.mark.parametrize("step", ["first", "last"])
+def test_bitwise_gradient_is_the_same_bits_at_every_world(results: dict[str, list[dict]], step: str) -> None:
+    """One thread per process (spawn_gloo), as --bitwise pins it: every world's gradient is the same bits, in
+    one bucket or several."""
+    one_process = results["1x4"][0][f"bitwise {step}"]
+    for name in SAME_RUN:
+        for mode in ("bitwise", "bitwise, buckets of 50 kB"):
+            assert torch.equal(results[name][0][f"{mode} {step}"], one_process), (name, mode)
+    # The same check has teeth: DDP's mean of the same micro-batches, at another world, rounds differently.
+    assert not all(torch.equal(results[name][0][f"mean {step}"], results["1x4"][0][f"mean {step}"])
+                   for name in SAME_RUN)
+
+
+@pytest.mark.parametrize("step", ["first", "last"])
+def test_our_mean_is_ddps_own_bit_for_bit(results: dict[str, list[dict]], step: str) -> None:
+    for name in ("2x2", "4x1", "3 sharing 4"):
+        assert torch.equal(results[name][0][f"mean {step}"], results[name][0][f"ddp {step}"]), name
+
+
+def test_one_reduction_per_step_however_many_micro_batches(results: dict[str, list[dict]]) -> None:
     assert [r["micro_batches"] for r in results["2x2"]] == [2, 2]
     assert [r["micro_batches"] for r in results["3 sharing 4"]] == [2, 1, 1]  # rank 0 takes one more
     for name in ("2x2", "4x1", "3 sharing 4"):
         for r in results[name]:
-            assert (r["first_allreduces"], r["last_allreduces"]) == (1, 1), name
+            for mode in ("mean", "bitwise"):
+                assert (r[f"{mode} first buckets"], r[f"{mode} last buckets"]) == (1, 1), (name, mode)
+            assert r["bitwise, buckets of 50 kB last buckets"] == 3, name  # 116 kB in buckets of 50 kB
 
 
 # --- end to end: the same run from scratch at worlds 1, 2 and 4 ---------------------------------------------------

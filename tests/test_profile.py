@@ -1,6 +1,7 @@
 """--profile: real runs leave a Chrome trace per rank that parses, timeline.png and a split of every step
-into phases that adds up to the step; profiling leaves the weights bit for bit as they are without it (the
-comm hook reduces exactly as DDP does); the split itself is checked on marks whose answer is known.
+into phases that adds up to the step; profiling leaves the weights bit for bit as they are without it (it
+only puts a clock on the comm hook every run reduces with; with --bitwise: test_bitwise.py); the split itself
+is checked on marks whose answer is known.
 
 Nothing here compares clocks or durations: a paused process would break such a check without anything being
 wrong. What is checked is structure — each step cut into ordered, non-overlapping phases that sum to it, the
@@ -191,8 +192,9 @@ def test_two_ranks_trace_draw_and_split_each_step_without_changing_the_training(
 
 
 def test_an_odd_world_trains_the_same_with_the_comm_hook(tmp_path: Path) -> None:
-    """DDP without a hook scales every gradient by 1/3 before summing; the hook must do exactly that (dividing
-    by 3 instead differs in the last bit now and then, which training then amplifies)."""
+    """At an odd world too (where a reduction that divided by 3 instead of multiplying by 1/3, as DDP does,
+    would differ in the last bit now and then, which training amplifies: test_accumulate checks ours is DDP's
+    own), the clock leaves every bit alone."""
     profiled, plain = tmp_path / "profiled", tmp_path / "plain"
     _train(profiled, tmp_path, "-g", "3", "--profile", "1")
     _train(plain, tmp_path, "-g", "3")

@@ -150,3 +150,28 @@ def test_a_resume_at_any_world_continues_the_same_steps(n: int, batch: int, slot
     padding = math.ceil(n / slots) * slots - n
     perm = shard_indices(n, 0, 1, shuffle=True, seed=5, epoch=1)
     assert Counter(itertools.chain(*resumed)) == Counter(range(n)) + Counter(perm[:padding].tolist())
+
+
+def test_slots_kept_whole_leave_the_extra_ranks_an_empty_micro_batch() -> None:
+    """--bitwise never cuts a slot: with 4 ranks and 2 slots, ranks 0-1 train the slots of a world of 2, and
+    ranks 2-3 one empty micro-batch of no part (only so that they join the step's reduction)."""
+    n, batch = 37, 4
+    images, labels = _images(n)
+    reference = _steps(n, batch, 2, 2)
+    steps = {}
+    for rank in range(4):
+        b = StepBatches(images, labels, batch, Share(2, 4, whole=True), rank=rank, device=torch.device("cpu"), seed=5,
+                        normalize=False)
+        b.set_epoch(1)
+        steps[rank] = list(b)
+    assert all(len(s) == len(reference) for s in steps.values())
+    for s, ref in enumerate(reference):
+        for rank in (0, 1):
+            assert [mb.part for mb in steps[rank][s].micro_batches] == [rank]
+            assert [mb.y.tolist() for mb in steps[rank][s].micro_batches] == ref[rank]
+        for rank in (2, 3):
+            (mb,) = steps[rank][s].micro_batches
+            assert mb.part is None and len(mb.y) == 0 and mb.x.shape == (0, 1, 28, 28)
+        assert {steps[rank][s].samples for rank in range(4)} == {sum(map(len, ref[0] + ref[1]))}
+    assert Share(2, 4, whole=True).describe(batch).startswith("ranks 2-3 train none of its 2 micro-batches of 4")
+    assert Share(2, 3, whole=True).describe(batch).startswith("rank 2 trains none of its 2")

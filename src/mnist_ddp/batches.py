@@ -12,7 +12,9 @@ would take, so step s of an epoch is the same M × B samples at any world size (
   - world W ≤ M: rank r trains slots r, r + W, r + 2W, … (DistributedSampler's rule once more, over the
     slots), each as its own micro-batch; when W does not divide M, the first M mod W ranks take one more;
   - world W > M: the step's samples, in slot order, are cut into W nearly equal micro-batches, one per rank,
-    so the global batch is kept (BatchNorm then normalises smaller batches).
+    so the global batch is kept (BatchNorm then normalises smaller batches) — unless the share keeps the
+    slots whole (`--bitwise`, where a cut slot would be another computation): then ranks M… train an empty
+    micro-batch, which only takes part in the step's reduction.
 So `-g 1 --accumulate 4`, `-g 2 --accumulate 2` and `-g 4` see the same micro-batches, and a run resumed at
 another world continues the very same sequence of steps. Step s consumes a prefix of the epoch's
 permutation (positions 0 … (s+1)·M·B), so a position is one number whatever the world.
@@ -93,11 +95,13 @@ class Share:
 
     slots: int  # M: the run's global batch is M micro-batches of --batch-size, fixed at its first start
     world: int
+    whole: bool = False  # never cut a slot (--bitwise): with more processes than slots, the extra ones train none
 
     @property
     def parts(self) -> int:
-        """The micro-batches a step is cut into: the M slots, or one per process when there are more processes."""
-        return max(self.slots, self.world)
+        """The micro-batches a step is cut into: the M slots, or one per process when there are more processes
+        (unless the slots are kept whole)."""
+        return self.slots if self.whole else max(self.slots, self.world)
 
     def mine(self, rank: int) -> range:
         """The parts `rank` trains: every world-th from `rank`, DistributedSampler's rule applied to the parts."""
@@ -106,6 +110,10 @@ class Share:
     def describe(self, batch: int) -> str:
         """How the step's work is shared, in words (empty when every process trains one whole slot)."""
         m, w = self.slots, self.world
+        if w > m and self.whole:
+            idle, s = (f"rank {m}", "s") if w == m + 1 else (f"ranks {m}-{w - 1}", "")
+            return (f"{idle} train{s} none of its {m} micro-batches of {batch} (--bitwise keeps them whole: cut, "
+                    f"BatchNorm would normalise other groups) and only join{s} each step's reduction")
         if w > m:
             size = m * batch / w
             return (f"its {m * batch} samples cut into {w} micro-batches of ~{size:.3g}, one per process "
@@ -140,7 +148,8 @@ class DeviceData:
 
 @dataclass
 class MicroBatch:
-    part: int  # which part of the step's global batch (BatchNorm keeps running statistics per part)
+    part: int | None  # which part of the step's global batch (BatchNorm keeps running statistics per part);
+    # None: an empty batch of a rank that trains no part, so that it still joins the step's reduction
     x: torch.Tensor
     y: torch.Tensor
 
@@ -186,7 +195,8 @@ class StepBatches:
         for s in range(self.first, self.steps_per_epoch):
             rows = slots[s * self.batch_size : (s + 1) * self.batch_size]
             parts = rows.T.reshape(-1).tensor_split(self.share.parts)  # in slot order; W ≤ M: the slots themselves
-            yield Step([MicroBatch(j, *self.data.batch(parts[j])) for j in mine], rows.numel())
+            mbs = [MicroBatch(j, *self.data.batch(parts[j])) for j in mine]
+            yield Step(mbs or [MicroBatch(None, *self.data.batch(rows[:0, 0]))], rows.numel())  # none: an empty one
 
 
 def model_input(raw: torch.Tensor, normalize: bool, channels_last: bool = False) -> torch.Tensor:

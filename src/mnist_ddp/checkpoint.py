@@ -1,8 +1,9 @@
 """Checkpoints that are atomic, portable and safe to load.
 
 Saved: the plain model's state_dict (no `module.`/`_orig_mod.` prefixes, so it loads
-into the tutorial's model as it is), optimizer, scheduler, progress, RNG state and the
-config — plain tensors and Python values only, so `torch.load(weights_only=True)`
+into the tutorial's model as it is), optimizer, scheduler, progress, RNG state, the
+GradScaler's state, every micro-batch slot's BatchNorm statistics (the model holds their
+mean) and the config — plain tensors and Python values only, so `torch.load(weights_only=True)`
 reads it and a checkpoint from a stranger cannot run code. A save writes a temp file,
 fsyncs it and renames it over the old one, so a crash or a full disk mid-save leaves the
 previous checkpoint whole.

@@ -124,6 +124,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs (CUDA)")
     g.add_argument("--deterministic", action="store_true", help="deterministic kernels only")
+    g.add_argument("--bitwise", action="store_true",
+                   help="the same weights, bit for bit, at any world size and through resumes at any world: each "
+                   "micro-batch's gradient kept apart and summed in a fixed order, one thread per CPU process "
+                   "(slower where a process has several cores; see README)")
     g = p.add_argument_group("outputs")
     g.add_argument("--out", default=None, help="run folder (default: runs/<date-time>)")
     g.add_argument("--resume", action="store_true",
@@ -210,9 +214,9 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         backend=a.backend, timeout=a.timeout, heartbeat=a.heartbeat, recipe_name=a.recipe,
         recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
-        sync_bn=a.sync_bn, deterministic=a.deterministic, resume=a.resume, checkpoint_every=a.checkpoint_every,
-        target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots, tensorboard=a.tensorboard,
-        log_every=a.log_every, profile=a.profile, **_given(out=a.out))
+        sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
+        checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,
+        tensorboard=a.tensorboard, log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -48,9 +48,16 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def configure_backends(device: torch.device, deterministic: bool) -> None:
-    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones."""
-    if deterministic:
+def configure_backends(device: torch.device, deterministic: bool, bitwise: bool = False) -> None:
+    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones.
+
+    `bitwise` (the same bits at any world size) needs kernels that compute a micro-batch the same way every
+    time: on a GPU the deterministic ones (no atomics, no autotuning: cuDNN's choice by timing differs from run
+    to run); on a CPU one thread per process does it (`share_cores`), whatever the kernels.
+    """
+    if deterministic or (bitwise and device.type != "cpu"):
+        if device.type == "cuda":  # cuBLAS is deterministic only with a fixed workspace (read at its first call)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
@@ -65,14 +72,16 @@ def fused_optimizers(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and torch.__version__ >= "2.4")
 
 
-def share_cores(local_rank: int, local_world_size: int) -> None:
-    """Give this CPU process its own slice of the cores: as many threads as cores in it, pinned there.
+def share_cores(local_rank: int, local_world_size: int, threads: int | None = None) -> None:
+    """Give this CPU process its own slice of the cores: as many threads as cores in it (or `threads`), pinned
+    there.
 
     Without it every local process would start one thread per core of the machine and they would
     all fight over them. Pinning keeps a rank's threads (and gloo's, started later, which inherit
     the pinning) off its neighbours' cores: measured with -g 2 on 2 cores, the ranks wait ~40% less
     for each other at each all-reduce, ~7% faster steps. An explicit OMP_NUM_THREADS keeps its
-    thread count (torchrun sets 1 when it starts several processes per node).
+    thread count (torchrun sets 1 when it starts several processes per node); `threads` overrides both
+    (--bitwise: 1, because the CPU kernels' sums, and so their last bits, depend on the thread count).
     """
     has_affinity = hasattr(os, "sched_getaffinity")  # Linux; elsewhere only the thread count is shared
     allowed = sorted(os.sched_getaffinity(0)) if has_affinity else list(range(os.cpu_count() or 1))
@@ -80,5 +89,7 @@ def share_cores(local_rank: int, local_world_size: int) -> None:
     mine = allowed[local_rank * n // local_world_size:(local_rank + 1) * n // local_world_size]
     if has_affinity and 1 < local_world_size <= n:
         os.sched_setaffinity(0, mine)
-    if not os.environ.get("OMP_NUM_THREADS"):
+    if threads:
+        torch.set_num_threads(threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, len(mine)))

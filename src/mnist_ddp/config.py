@@ -132,6 +132,8 @@ class TrainConfig:
     compile: bool = False
     sync_bn: bool = False
     deterministic: bool = False
+    # The same weights, bit for bit, at any world size and through resumes at any world (reduction.py, README).
+    bitwise: bool = False
     # Outputs.
     out: str = field(default_factory=lambda: timestamped("runs/"))
     resume: bool = False
@@ -161,6 +163,9 @@ class TrainConfig:
         _check(self.checkpoint_every >= 0, "--checkpoint-every must be 0 (epoch ends only) or a number of steps.")
         _check(self.target_accuracy is None or 0 < self.target_accuracy <= 1,
                f"--target-accuracy is a test accuracy above 0 and at most 1 (0.99: 99%), not {self.target_accuracy}.")
+        _check(not (self.bitwise and self.sync_bn),
+               "--bitwise and --sync-bn exclude each other: SyncBatchNorm normalises over every process's samples, "
+               "so what it computes changes with the world size.")
         _check(self.nodes == 1 or self.master_addr is not None,
                "with -n/--nodes above 1 every node needs the address of node 0: pass --master-addr or set MASTER_ADDR.")
         _check(self.nodes == 1 or bool(self.master_port),

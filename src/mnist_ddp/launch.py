@@ -70,7 +70,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         device = distributed.pick_device(cfg.device, ident.local_rank)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
-            compute.share_cores(ident.local_rank, ident.local_world_size)
+            compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
         creds = Credentials(cfg.secret or b"", train.run_settings(cfg, ident.world_size))
         d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
         if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):

@@ -2,11 +2,11 @@
 
 After a short warm-up (the first steps pay one-off costs: allocations, kernel choices), a few steps of
 the first epoch are profiled. Every rank records when each phase of its step began and ended: the
-training loop marks forward, backward and the optimizer (`phase`) and each step's end (`step`); a DDP
-comm hook (`watch`) marks, for every gradient bucket, when backward handed it over and when the
-all-reduced bucket came back, which is where the all-reduce really happens. torch.profiler records the
-same steps, op by op, into `<out>/profile/rank<r>.json.gz` (each rank on its own machine's disk), which
-Perfetto (ui.perfetto.dev) and chrome://tracing open.
+training loop marks forward, backward and the optimizer (`phase`) and each step's end (`step`); the run's
+DDP comm hook (reduction.py) tells a `BucketClock` (`watch`), for every gradient bucket, when backward
+handed it over and when the reduced bucket came back, which is where the all-reduce really happens.
+torch.profiler records the same steps, op by op, into `<out>/profile/rank<r>.json.gz` (each rank on its own
+machine's disk), which Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
 Then rank 0 gathers every rank's marks (one collective, on every rank at the same step), splits each
 step into phases that add up to it, prints the split per rank and draws `<out>/profile/timeline.png`:
@@ -22,8 +22,8 @@ one lane per rank, time running left to right, so that stragglers and waiting sh
 Clocks: ranks on rank 0's machine share its clock; a rank on another machine is aligned to rank 0 by the
 moment the all-reduce finished, which all ranks see within about one network hop.
 
-Profiling never changes the training: the comm hook computes what DDP computes without one (each
-gradient times 1/world, then summed over the ranks), and nothing else touches the numbers.
+Profiling never changes the training: the clock only watches the reduction that runs anyway (DDP's mean
+or --bitwise's), and nothing else touches the numbers.
 """
 
 import json
@@ -31,18 +31,16 @@ import math
 import socket
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import atomic
 from .distributed import Dist
+from .reduction import Reduction
 from .report import Reporter, pyplot, save_figure
 
 WARMUP = 5  # steps before profiling
@@ -65,11 +63,10 @@ class StepProfiler:
     def active(self) -> bool:
         return self.profiler is not None
 
-    def watch(self, net: nn.Module) -> None:
-        """Time each gradient bucket's all-reduce, when `net` is DDP (`wrap` may have compiled it around it)."""
-        ddp = getattr(net, "_orig_mod", net)
-        if self.steps and isinstance(ddp, DDP):
-            ddp.register_comm_hook(self, timed_allreduce)
+    def watch(self, reduction: Reduction) -> None:
+        """Time each gradient bucket's reduction (in one process there is none: no DDP, no comm hook)."""
+        if self.steps:
+            reduction.observer = BucketClock(self.bucket)
 
     def phase(self, name: str) -> Any:
         """A context that marks phase `name` of the current step (nothing outside the profiled steps)."""
@@ -84,7 +81,7 @@ class StepProfiler:
             self.marks[-1]["phases"].append((name, start, self._now()))
 
     def bucket(self, handed_over: float, back: float) -> None:
-        """One bucket's all-reduce (from the comm hook)."""
+        """One bucket's all-reduce (from the comm hook's `BucketClock`)."""
         if self.active:
             self.marks[-1]["buckets"].append((handed_over, back))
 
@@ -157,23 +154,18 @@ class StepProfiler:
                         f"{self.folder}")
 
 
-class BucketLog(Protocol):
-    """What `timed_allreduce` reports each bucket's times to: a StepProfiler (or a benchmark's list)."""
+class BucketClock:
+    """The moments a reduction's observer is told (reduction.BucketObserver), read on perf_counter: when backward
+    handed a bucket over, and when the reduced bucket's future completed (its callback ran). `record` gets both."""
 
-    def bucket(self, handed_over: float, back: float) -> None: ...
+    def __init__(self, record: Callable[[float, float], None]) -> None:
+        self.record, self.since = record, {}
 
+    def handed_over(self, bucket: int) -> None:
+        self.since[bucket] = time.perf_counter()
 
-def timed_allreduce(log: BucketLog, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own reduction, timed: each gradient times 1/world (as DDP scales them without a hook), summed
-    over the ranks. The future's callback runs when the reduced bucket is back."""
-    handed_over = time.perf_counter()
-    buffer = bucket.buffer().mul_(1 / dist.get_world_size())
-    fut = dist.all_reduce(buffer, async_op=True).get_future()
-
-    def back(f: torch.futures.Future) -> torch.Tensor:
-        log.bucket(handed_over, time.perf_counter())
-        return f.value()[0]
-    return fut.then(back)
+    def back(self, bucket: int) -> None:
+        self.record(self.since.pop(bucket), time.perf_counter())
 
 
 def split_steps(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,12 +3,13 @@
 Every rank runs `run`; the launcher has already joined the process group (launch.py,
 distributed.py) and leaves it afterwards. What makes the loop distributed, in the order
 `Trainer.run` meets it:
-- `wrap`: DDP around the model. It broadcasts rank 0's weights once, then all-reduces the
-  gradients during backward, so every rank takes the same optimizer step;
+- `wrap`: DDP around the model. It broadcasts rank 0's weights once, then reduces the gradients
+  during backward with the run's comm hook (reduction.py: DDP's mean, or `--bitwise`'s slot order),
+  so every rank takes the same optimizer step;
 - `set_epoch`: every rank draws the same new shuffle; each step of it is the run's global batch
   (M micro-batches, fixed at the first start), of which each rank takes its share (batches.py);
 - `steps.accumulate`: forward and backward of the rank's micro-batches, all but the last inside
-  `no_sync`, so the gradients are all-reduced once per step;
+  `no_sync`, so the gradients are reduced once per step;
 - `_fold`: the ranks' loss sums and image counts (and the losses of the logged steps), added up with
   one all-reduce;
 - `stats.average`: BatchNorm's running statistics, averaged over the ranks (and micro-batch parts)
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, compute, datasets, schedule
+from . import checkpoint, compute, datasets, reduction, schedule
 from .batches import ShardedBatches, Share, StepBatches
 from .config import Recipe, TrainConfig
 from .distributed import Dist
@@ -47,7 +48,9 @@ from .timeline import StepProfiler
 # The world size may change: the run's global batch (M micro-batches of batch_size) is in the checkpoint,
 # and any world shares its micro-batches (batches.py), so the steps, and the lr at each, stay the same.
 RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
-                     "scheduler", "normalize", "label_smoothing", "seed")
+                     "scheduler", "normalize", "label_smoothing", "seed", "bitwise")
+# A --bitwise run promises the same bits through any resume, so the kernels may not change either.
+BITWISE_MUST_MATCH = ("amp", "channels_last", "compile", "deterministic")
 
 
 def run_settings(cfg: TrainConfig, world_size: int) -> dict[str, str]:
@@ -121,8 +124,10 @@ _NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
 _NO_BUFFER_SYNC_PER_STEP = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
 
 
-def wrap(model: nn.Module, cfg: TrainConfig, d: Dist, accumulating: bool = False) -> nn.Module:
-    """DDP around the model when there are several ranks; torch.compile on request.
+def wrap(model: nn.Module, cfg: TrainConfig, d: Dist, accumulating: bool = False,
+         reduce: reduction.Reduction | None = None) -> nn.Module:
+    """DDP around the model when there are several ranks, reducing the gradients with `reduce` (default: DDP's
+    mean); torch.compile on request.
 
     `accumulating`: some rank runs several micro-batches per step, under `no_sync`."""
     if d.world_size > 1:
@@ -136,6 +141,8 @@ def wrap(model: nn.Module, cfg: TrainConfig, d: Dist, accumulating: bool = False
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, static_graph=not accumulating, bucket_cap_mb=1,
                     **_NO_BUFFER_SYNC_PER_STEP)
+        # The all-reduce: DDP calls the hook with each bucket of gradients that backward filled (reduction.py).
+        model.register_comm_hook(reduce or reduction.MeanReduction(d.world_size), reduction.comm_hook)
     return torch.compile(model) if cfg.compile else model
 
 
@@ -156,7 +163,7 @@ class Trainer:
         self.opt, self.schedule = build_optimizer(r, self.model)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate at the first start
         # (a resume takes the checkpoint's M instead: `_resume`).
-        self._share(Share(slots=d.world_size * cfg.accumulate, world=d.world_size))
+        self._share(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
         self.scaler = guard(d.device, self.amp)
         self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
@@ -166,13 +173,15 @@ class Trainer:
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
 
-    def _share(self, share: Share) -> None:
-        """Deal the run's micro-batches over this world: this rank's steps, and its BatchNorm statistics per part."""
+    def _share(self, share: Share, saved_stats: torch.Tensor | None = None) -> None:
+        """Deal the run's micro-batches over this world: this rank's steps, its BatchNorm statistics per part
+        (`saved_stats`: every part's, from a checkpoint), and the reduction of their gradients."""
         r, d = self.cfg.recipe, self.d
         self.train_batches = StepBatches(self.data.train.images, self.data.train.labels, r.batch_size, share,
                                          rank=d.rank, device=d.device, seed=self.cfg.seed, normalize=r.normalize,
                                          channels_last=self.channels_last)
-        self.stats = PartStats(self.model, share.mine(d.rank), share.parts, d)
+        self.stats = PartStats(self.model, share, d.rank, saved_stats)
+        self.reduction = reduction.for_run(self.cfg.bitwise, self.model, share, d.rank)
 
     def run(self) -> EvalResult:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
@@ -185,8 +194,8 @@ class Trainer:
             return evaluate(self.model, self.test_batches, self.d, self.amp)
         # What trains; `self.model` is what is scored and saved.
         share = self.train_batches.share
-        net = wrap(self.model, self.cfg, self.d, accumulating=share.parts > share.world)
-        self.profiler.watch(net)
+        net = wrap(self.model, self.cfg, self.d, accumulating=share.parts > share.world, reduce=self.reduction)
+        self.profiler.watch(self.reduction)
         result = None
         for epoch in range(self.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.progress.seen, time.perf_counter()
@@ -222,7 +231,7 @@ class Trainer:
             d.at("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message: who hangs where
             self.schedule(self.samples_done / (r.epochs * n))
             self.opt.zero_grad(set_to_none=True)
-            step_loss = accumulate(net, step, self.stats, self.scaler, d.world_size, self.amp, r.label_smoothing,
+            step_loss = accumulate(net, step, self.stats, self.reduction, self.scaler, self.amp, r.label_smoothing,
                                    self.profiler.phase)
             with self.profiler.phase("optimizer"):
                 self.scaler.step(self.opt)
@@ -272,7 +281,7 @@ class Trainer:
         Every save and evaluation comes after a fold, so none of them sees a diverged run. The same all-reduce
         counts non-finite BatchNorm statistics, which no optimizer step guards (the forward pass updates them),
         so that every rank reaches the same verdict."""
-        self.stats.average()
+        self.stats.average(self.steps_done)
         bad_stats = (~torch.cat([b.reshape(-1) for b in running_stats(self.model)]).isfinite()).sum().float()
         totals = self.d.all_sum(torch.stack([loss_sum.float(), torch.tensor(float(seen_here), device=self.d.device),
                                              bad_stats, *(loss for _, _, loss, _ in self.logged)]))
@@ -325,13 +334,16 @@ class Trainer:
                 "rng": torch.get_rng_state(),
                 "config": self.cfg.to_dict() | {"world_size": self.d.world_size},
                 "micro_batches": self.train_batches.share.slots,  # the run's global batch: M micro-batches
+                "batchnorm_parts": self.stats.parts,  # every part's statistics: the model holds their mean
+                "scaler": self.scaler.state_dict(),
                 "run_id": self.d.run_id,  # a torchrun restart of this same job continues it without --resume
             }, keep_previous=path == self.ckpt_path)
 
     def _same_run(self, path: Path, ckpt: dict) -> None:
         """Refuse a checkpoint of another run: one saved with other settings (or of another dataset)."""
         saved, current = ckpt.get("config", {}), self.cfg.to_dict()
-        changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current[k]]
+        keys = RESUME_MUST_MATCH + (BITWISE_MUST_MATCH if saved.get("bitwise") else ())
+        changed = [k for k in keys if k in saved and saved[k] != current[k]]
         if saved.get("data", {}).get("dataset") not in (None, self.cfg.data.dataset):
             changed.append("dataset")
         if changed:
@@ -351,6 +363,8 @@ class Trainer:
         saved = ckpt.get("config", {})
         checkpoint.restore_model(self.model, ckpt["model"], path)
         self.opt.load_state_dict(ckpt["optimizer"])
+        if "scaler" in ckpt:
+            self.scaler.load_state_dict(ckpt["scaler"])
         torch.set_rng_state(ckpt["rng"])
         n, saved_progress = len(self.data.train.labels), ckpt["progress"]
         if "step" in saved_progress:  # saved before positions were counted in samples: per-rank steps
@@ -363,8 +377,9 @@ class Trainer:
         # The run's global batch is the checkpoint's, whatever this world and --accumulate would make of a new run
         # (checkpoints from before it was recorded: one micro-batch per process).
         was, now = saved.get("world_size", self.d.world_size), self.d.world_size
-        share = Share(slots=ckpt.get("micro_batches", was), world=now)
-        self._share(share)  # after restore_model: every part's BatchNorm statistics start from the saved ones
+        share = Share(slots=ckpt.get("micro_batches", was), world=now, whole=cfg.bitwise)
+        # After restore_model: without every part's saved statistics (or with other parts), each starts from their mean.
+        self._share(share, ckpt.get("batchnorm_parts"))
         if was != now or share.slots != now * cfg.accumulate:
             batch = cfg.recipe.batch_size
             how = share.describe(batch)
@@ -377,7 +392,7 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
     report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    compute.configure_backends(d.device, cfg.deterministic)
+    compute.configure_backends(d.device, cfg.deterministic, cfg.bitwise)
     data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
@@ -391,13 +406,16 @@ def run(cfg: TrainConfig, d: Dist) -> float:
 
 def run_line(trainer: Trainer) -> str:
     """What is about to run: the software, the world, and the run's global batch and how this world shares it."""
-    r, d, batches = trainer.cfg.recipe, trainer.d, trainer.train_batches
+    r, d, batches, bitwise = trainer.cfg.recipe, trainer.d, trainer.train_batches, trainer.cfg.bitwise
     share = batches.share.describe(r.batch_size)
+    pinned = " (pinned by --bitwise: the kernels' sums depend on it)" if bitwise and d.device.type == "cpu" else ""
+    reduced = ("bitwise: every micro-batch's gradient summed in slot order" if bitwise
+               else "averaged by all-reduce")
     return (f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
-            f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process, "
+            f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process{pinned}, "
             f"global batch {batches.global_batch} ({batches.share.slots} micro-batches of {r.batch_size}"
-            f"{'; ' + share if share else ''}), {r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {trainer.amp}, "
-            f"channels_last {trainer.channels_last}")
+            f"{'; ' + share if share else ''}), gradients {reduced}, {r.optimizer} lr {r.lr}, {r.scheduler} "
+            f"schedule, amp {trainer.amp}, channels_last {trainer.channels_last}")
 
 
 def final_line(cfg: TrainConfig, trainer: Trainer, result: EvalResult) -> str:

@@ -1,0 +1,187 @@
+"""How the step's gradients become one: the DDP comm hook every run trains with, and what `--profile` times.
+
+DDP calls a comm hook for every gradient bucket that backward fills, from inside backward, with the bucket's
+flat gradients; the future it returns holds the reduced gradients DDP puts back. Both reductions here are
+such hooks (`comm_hook`, installed by `train.wrap`), and the loop's `steps.accumulate` works with either:
+- `MeanReduction` (the default) is what DDP does without a hook: each rank's gradient, accumulated in
+  `.grad` over its micro-batches under `no_sync`, times 1/world, all-reduced (summed). The sum's order
+  follows the world: how a rank's micro-batches were grouped, then gloo's or NCCL's reduction order, so
+  every world rounds differently.
+- `SlotReduction` (`--bitwise`) makes the order the run's own. A rank keeps each of its micro-batches'
+  gradients apart (`keep`, after every backward under `no_sync`, which still skips the collective); the
+  hook all-gathers every micro-batch slot's gradient and every rank adds them in slot order 0…M−1, as one
+  process accumulating the M micro-batches in that order does in `.grad`. Elementwise additions in a fixed
+  order give the same bits wherever the parts were computed, so the step's gradient is the same at any
+  world size. Cost: each
+  rank receives (W−1)·⌈M/W⌉ slot gradients of 4n bytes per step (n = 29,034 parameters: 116 kB each)
+  where the ring all-reduce moves 2(W−1)/W·4n: M/2 times as many bytes when W divides M.
+An observer (`BucketObserver`), when one is set, is told when backward handed each bucket over and when its
+reduced values were back: `--profile` times whichever reduction runs, and the numbers never change.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batches import Share
+
+
+class BucketObserver(Protocol):
+    """Told when each gradient bucket was handed to the reduction and when its reduced values were back."""
+
+    def handed_over(self, bucket: int) -> None: ...
+
+    def back(self, bucket: int) -> None: ...
+
+
+class Reduction(ABC):
+    """One way of reducing the step's gradients over the world, as a DDP comm hook (`comm_hook`)."""
+
+    observer: BucketObserver | None = None
+
+    @abstractmethod
+    def loss_weight(self, samples: int) -> float:
+        """What each micro-batch's summed loss is multiplied by, so that the reduced gradient is the mean over
+        the step's `samples` (all ranks')."""
+
+    @abstractmethod
+    def keep(self) -> None:
+        """After a backward under `no_sync`: what becomes of the micro-batch's gradients in `.grad`."""
+
+    @abstractmethod
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Start reducing the bucket (on every rank); the future holds the reduced bucket."""
+
+
+def comm_hook(reduction: Reduction, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The hook DDP calls with each bucket backward filled: `reduction` reduces it, its observer watches."""
+    observer = reduction.observer
+    if observer is None:
+        return reduction.reduce(bucket)
+    index = bucket.index()
+    observer.handed_over(index)
+
+    def back(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        observer.back(index)
+        return fut.value()
+    return reduction.reduce(bucket).then(back)
+
+
+class MeanReduction(Reduction):
+    """DDP's own: each rank's gradient times 1/world, summed over the ranks (what DDP computes without a hook,
+    bit for bit: it multiplies by 1/world too). Each micro-batch's loss weighs world/samples, so the average
+    over the world is the global batch's mean."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def loss_weight(self, samples: int) -> float:
+        return self.world / samples
+
+    def keep(self) -> None:
+        """Nothing: the next backward adds its gradients to them, in `.grad`."""
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer().mul_(1 / self.world)
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+class SlotReduction(Reduction):
+    """`--bitwise`: every micro-batch slot's gradient gathered, and summed in slot order on every rank.
+
+    Each micro-batch's loss weighs 1/samples, the same number at any world (the whole step's samples), so a
+    slot's gradient is the same bits on whichever rank computes it. One process (no DDP, no hook) needs none
+    of this: autograd accumulates its micro-batches in `.grad` in slot order, the very sum the hook makes.
+    """
+
+    def __init__(self, model: nn.Module, share: Share, rank: int) -> None:
+        self.params, self.share = list(model.parameters()), share
+        self.trains = len(share.mine(rank)) > 0  # an idle rank (more ranks than slots) adds no slot of its own
+        self.kept: dict[nn.Parameter, list[torch.Tensor]] = {}  # this step's earlier slots, per parameter
+
+    def loss_weight(self, samples: int) -> float:
+        return 1 / samples
+
+    def keep(self) -> None:
+        """Set the micro-batch's gradients apart (no copy), so the next backward starts from none."""
+        for p in self.params:
+            self.kept.setdefault(p, []).append(p.grad)
+            p.grad = None
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        params, buffer = bucket.parameters(), bucket.buffer()
+        earlier = [laid_out(params, slot, buffer) for slot in zip(*(self.kept.pop(p, []) for p in params))]
+        mine = [*earlier, buffer] if self.trains else []  # the buffer holds the rank's last slot
+        work, gathered = gather(mine, self.share, buffer, async_op=True)
+
+        def summed(_: torch.futures.Future) -> torch.Tensor:
+            return ordered_sum(in_part_order(gathered, self.share), out=buffer)
+        return work.get_future().then(summed)
+
+
+def laid_out(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """`grads` (of `params`) as one row laid out like DDP's bucket `buffer`: each parameter's gradient where DDP
+    puts it, one after the other, in the parameter's own memory layout (a channels_last weight's, not its
+    logical order: flattening it with reshape would pair the wrong elements)."""
+    row, offset = torch.empty_like(buffer), 0
+    for p, g in zip(params, grads, strict=True):
+        row.as_strided(p.shape, p.stride(), offset).copy_(g)
+        offset += p.numel()
+    return row
+
+
+def per_rank(share: Share) -> int:
+    """Rows each rank sends in a gather of every part: the most parts one rank trains (the others pad)."""
+    return math.ceil(share.parts / share.world)
+
+
+def padded_rows(rows: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> torch.Tensor:
+    """This rank's parts as the rows it sends, `per_rank` rows as long as `like` (and of its dtype and device),
+    zero rows after them where it trains fewer."""
+    out = like.new_zeros(per_rank(share), like.numel())
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out
+
+
+def in_part_order(gathered: torch.Tensor, share: Share) -> list[torch.Tensor]:
+    """The gathered rows (rank by rank, each `per_rank` of them) as parts 0…parts−1: rank r's i-th row is part
+    r + i·world (`Share.mine`)."""
+    rows, w = per_rank(share), share.world
+    return [gathered[(j % w) * rows + j // w] for j in range(share.parts)]
+
+
+def ordered_sum(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """parts[0] + parts[1] + … added one at a time, in that order (into `out` if given): elementwise additions
+    in a fixed order, so the same bits wherever and however the parts were computed."""
+    total = parts[0].clone() if out is None else out.copy_(parts[0])
+    for part in parts[1:]:
+        total.add_(part)
+    return total
+
+
+def gather(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor,
+           async_op: bool = False) -> tuple[dist.Work | None, torch.Tensor]:
+    """Every rank's parts (rows shaped like `like`; this rank's are `mine`, in its part order) on every rank:
+    one all-gather into the tensor returned, `per_rank` rows from each rank in rank order (`in_part_order`)."""
+    send = padded_rows(mine, share, like)
+    gathered = send.new_empty(share.world * per_rank(share), like.numel())
+    return dist.all_gather_single(gathered, send, async_op=async_op), gathered
+
+
+def all_parts(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's parts on every rank, in part order (`gather`, waited for). Used for BatchNorm's statistics
+    per part (steps.PartStats)."""
+    if share.world == 1:
+        return list(mine)
+    return in_part_order(gather(mine, share, like)[1], share)
+
+
+def for_run(bitwise: bool, model: nn.Module, share: Share, rank: int) -> Reduction:
+    """The run's reduction: `--bitwise`'s slot order, or DDP's mean."""
+    return SlotReduction(model, share, rank) if bitwise else MeanReduction(share.world)
