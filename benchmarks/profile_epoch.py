@@ -44,8 +44,10 @@ def _load(name: str) -> datasets.Dataset:
 
 
 def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
-    device = torch.device(args.device)
-    compute.share_cores(rank, world)  # as launch.run_worker does
+    device = distributed.pick_device(args.device, rank, world)  # cuda:<rank>, as launch.run_worker picks it
+    if device.type == "cpu":  # as launch.run_worker does
+        compute.share_cores(rank, world)
+    compute.configure_backends(device, deterministic=False)  # cuDNN autotuning and TF32 on CUDA, as in training
     if args.threads:
         torch.set_num_threads(args.threads)
     d = distributed.setup(identity.spawned(0, rank, world, 1, "127.0.0.1", port), device, None, 120)

@@ -15,8 +15,11 @@ An explicit flag always wins over these defaults.
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import torch
+
+from .errors import UserError
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -48,8 +51,37 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def configure_backends(device: torch.device, deterministic: bool) -> None:
-    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones."""
+# The cuBLAS workspace sizes with which its GEMMs are deterministic; torch refuses any other under
+# use_deterministic_algorithms (ATen Context::alertCuBLASConfigNotDeterministic, which reads the variable once,
+# at the first cuBLAS call).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def cublas_workspace(deterministic: bool, device_type: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What --deterministic on CUDA needs set: CUBLAS_WORKSPACE_CONFIG=:4096:8 where it is unset (else the
+    first cuBLAS call, the model's `fc`, raises). A value of the user's that cuBLAS is not deterministic
+    with is refused, in one sentence."""
+    if not deterministic or device_type != "cuda":
+        return {}
+    value = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if value is None:
+        return {"CUBLAS_WORKSPACE_CONFIG": DETERMINISTIC_CUBLAS[0]}
+    if value not in DETERMINISTIC_CUBLAS:
+        raise UserError(f"--deterministic on CUDA needs CUBLAS_WORKSPACE_CONFIG={' or '.join(DETERMINISTIC_CUBLAS)}, "
+                        f"but it is set to {value!r}; change it or unset it (mnist-ddp then sets :4096:8).")
+    return {}
+
+
+def configure_backends(device: torch.device, deterministic: bool) -> str:
+    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones. Returns what it set
+    in the environment, for the log ('' when nothing).
+
+    Called in every rank before it joins the process group and before any kernel runs: the environment must be
+    the rank's own (forked children have the fork server's, not the launcher's), cuBLAS reads it at its first
+    call, and ProcessGroupNCCL reads `use_deterministic_algorithms` when it is made (it then turns off NVLS
+    reductions, which are not deterministic)."""
+    settings = cublas_workspace(deterministic, device.type, os.environ)
+    os.environ.update(settings)
     if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
@@ -58,6 +90,7 @@ def configure_backends(device: torch.device, deterministic: bool) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 tensors, TF32 tensor-core math (~1e-3 rel. error)
         torch.backends.cudnn.allow_tf32 = True
+    return " ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def fused_optimizers(device: torch.device) -> bool:

@@ -13,6 +13,7 @@ written is never left half-done), and the parent takes its children down with it
 """
 
 import logging
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import checkpoint, compute, distributed, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
@@ -66,9 +68,12 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
     once (torchrun and srun start all ranks before any of them could look).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
-        device = distributed.pick_device(cfg.device, ident.local_rank)
+        device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size)
+        settings = compute.configure_backends(device, cfg.deterministic)  # before joining, before any kernel
+        if settings and ident.rank == 0:
+            print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
         d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat)
         finished = False
         try:
@@ -136,6 +141,7 @@ def preflight(cfg: TrainConfig) -> None:
             raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
+    compute.cublas_workspace(cfg.deterministic, "cuda" if cuda else "cpu", os.environ)  # refuses a bad value now
     if cfg.tensorboard:  # under a launcher every rank checks: none waits for a rank 0 that refused
         tb.check_installed()
 
@@ -182,6 +188,31 @@ def _cause(errors: "mp.SimpleQueue") -> UserError:
     return next((e for e in found if not isinstance(e, PeerFailure)), found[0])
 
 
+def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCPStore | None") -> str:
+    """Who the children that SIGABRT ended were waiting for, from the beats, read while the others still run;
+    '' when the heartbeat is off, or names nobody (then the aborted rank is the cause).
+
+    NCCL's watchdog ends a rank that way when its collective timed out or a peer failed (torch's default
+    TORCH_NCCL_ASYNC_ERROR_HANDLING; mnist-ddp sets 2, which raises instead, only where you set nothing), and
+    the first to go is a survivor, not the culprit. So each aborted rank is marked as having left, and the
+    reading is repeated while more of them end during it, so that only a rank that stopped answering on its own
+    (or failed for its own reason) is named. Node 0's parent reads its own store; the others have none."""
+    if not cfg.heartbeat or store is None:
+        return ""
+    beats = heartbeat.Heartbeat.reader(dist.PrefixStore(heartbeat.BEATS_PREFIX, store), cfg.world_size,
+                                       cfg.heartbeat)
+
+    def ended() -> set[int]:
+        return {cfg.node_rank * cfg.gpus + i for i, p in enumerate(children.processes) if p.exitcode == -signal.SIGABRT}
+    marked: set[int] = set()
+    while marked != ended():
+        for rank in ended() - marked:
+            beats.mark_left(rank, "ended by SIGABRT")
+            marked.add(rank)
+        said = beats.diagnose()
+    return "" if said.startswith("every rank still answers") else said
+
+
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
     addr = cfg.master_addr or "127.0.0.1"
@@ -197,12 +228,22 @@ def spawn(cfg: TrainConfig) -> int:
         children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
                                       start_method="forkserver")
         try:
+            aborted = ""  # who the ranks that SIGABRT ended were waiting for
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
-            while not children.join(grace_period=SETTLE_S):
-                pass
+            while True:
+                multiprocessing.connection.wait(list(children.sentinels))  # a child ended; the others still run
+                if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
+                    aborted = _after_abort(children, cfg, store)
+                if children.join(grace_period=SETTLE_S):
+                    break
         except mp.ProcessExitedException as e:
             rank = cfg.node_rank * cfg.gpus + e.error_index
+            if e.signal_name == "SIGABRT" and aborted:
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was ended by SIGABRT, as NCCL's watchdog ends a "
+                                  f"rank whose collective timed out or lost a peer, while {aborted}; the other "
+                                  f"processes were stopped. Run again with --resume to continue from the last "
+                                  f"checkpoint.") from None
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
                 raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}; the other "
                                   f"processes were stopped. Run again with --resume to continue from the last "
