@@ -239,11 +239,20 @@ PARTS = [
 
 # --- running and recording ---------------------------------------------------------------------------------------
 
+def brief(value: Any) -> Any:
+    """`value` with its floats to 4 significant digits, for the table and the console."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: brief(v) for k, v in value.items()}
+    return [brief(v) for v in value] if isinstance(value, list) else value
+
+
 def write_summary(c: Check) -> None:
     (c.out / "summary.json").write_text(json.dumps(c.results, indent=1, default=str) + "\n")
     lines = ["| part | status | seconds | result |", "|---|---|---|---|"]
     for name, r in c.results.get("parts", {}).items():
-        shown = {k: v for k, v in r.get("result", {}).items() if k not in ("packages",)}
+        shown = brief({k: v for k, v in r.get("result", {}).items() if k not in ("packages",)})
         lines.append(f"| {name} | {r['status']} | {r['seconds']:.0f} | {json.dumps(shown, default=str)[:600]} |")
     (c.out / "summary.md").write_text(f"# GPU check ({c.results.get('started', '')}, {c.device}"
                                       f"{', quick' if c.args.quick else ''})\n\n" + "\n".join(lines) + "\n")
@@ -253,7 +262,7 @@ def run_part(c: Check, part: Part, start: float) -> None:
     left = c.args.budget - (time.monotonic() - start) - RESERVE_S
     limit = min(c.args.limits.get(part.name, part.limit), left)
     record: dict[str, Any] = {"status": "skipped", "seconds": 0.0, "limit": limit}
-    if limit < 5:
+    if limit < 1:
         record["result"] = {"why": f"the overall --budget {c.args.budget:g} s was spent"}
     else:
         c.say(f"== {part.name} ({part.what}; at most {limit:.0f} s)")
@@ -268,7 +277,7 @@ def run_part(c: Check, part: Part, start: float) -> None:
     c.results.setdefault("parts", {})[part.name] = record
     write_summary(c)
     c.say(f"-> {part.name}: {record['status']}, {record['seconds']:.0f} s: "
-          f"{json.dumps(record.get('result', {}), default=str)[:400]}")
+          f"{json.dumps(brief(record.get('result', {})), default=str)[:400]}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ its device. The choices follow measurements of this ConvNet (benchmarks/ab_compu
   slower than fp32, so fp32 stays.
 - CUDA: fp32 storage with TF32 tensor-core math and cuDNN autotuning. At this size every
   step is bound by kernel launches, not arithmetic, and autocast only adds cast kernels;
-  `--amp bf16` is there to try (benchmarks/gpu_check.sh compares both).
+  `--amp bf16` is there to try (benchmarks/gpu_check.py compares both; not yet run on a GPU).
 - MPS: plain fp32, the layout and precision its kernels support best.
 An explicit flag always wins over these defaults.
 """

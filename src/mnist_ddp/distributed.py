@@ -206,7 +206,7 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
                              store_host=0 if ident.store_host == "rank0" else None)
         rendezvous.meet(store, ident, timeout)  # every rank arrived, or the ones that never came are named
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
-                                device_id=device_id)
+                                **({"device_id": device_id} if device_id is not None else {}))
         if beat:
             beat.at("setting up (data, model, checkpoint)")
         return beat

@@ -245,7 +245,9 @@ def spawn(cfg: TrainConfig) -> int:
                                   f"processes were stopped. Run again with --resume to continue from the last "
                                   f"checkpoint.") from None
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
-                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}; the other "
+                hint = " (on a GPU, NCCL's watchdog ends a rank so when a collective fails: see its log)" \
+                    if e.signal_name == "SIGABRT" else ""
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; the other "
                                   f"processes were stopped. Run again with --resume to continue from the last "
                                   f"checkpoint.") from None
             if not errors.empty():
