@@ -52,8 +52,9 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
 
 
 # The cuBLAS workspace sizes with which its GEMMs are deterministic; torch refuses any other under
-# use_deterministic_algorithms (ATen Context::alertCuBLASConfigNotDeterministic, which reads the variable once,
-# at the first cuBLAS call).
+# use_deterministic_algorithms. torch reads the variable itself, with getenv, when it first needs it: for that
+# check, and for the workspace it hands cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize,
+# its result kept for the process; hence "a new subprocess" per setting in torch/testing/_internal/common_utils.py).
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
