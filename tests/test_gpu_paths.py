@@ -47,6 +47,7 @@ PACKAGE = REPO / "src" / "mnist_ddp"
     (0, 1, 1, {}, 0),  # one process, one GPU
     (1, 2, 1, {"CUDA_VISIBLE_DEVICES": "1"}, 0),  # a wrapper gave each rank its own GPU
     (3, 4, 1, {"SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"}, 0),  # srun --gpus-per-task 1
+    (3, 4, 2, {"SLURM_GPUS_PER_TASK": "2", "CUDA_VISIBLE_DEVICES": "6,7"}, 0),  # srun --gpus-per-task 2: the first
 ])
 def test_each_local_process_gets_its_own_gpu(local_rank: int, local_world: int, visible: int, env: dict[str, str],
                                             index: int) -> None:

@@ -55,17 +55,17 @@ GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
 def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str]) -> int:
     """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` on this machine) takes.
 
-    Enough GPUs for every local process: its own, by local rank. One GPU for several local processes is
-    right only when the launcher gave each process its own, which each then sees as cuda:0 (srun
-    --gpus-per-task, CUDA_VISIBLE_DEVICES per process); otherwise they would all share cuda:0, and NCCL stops
-    the job with "Duplicate GPU detected". A process sees only what it was given, not what its neighbours
-    were, so a set CUDA_VISIBLE_DEVICES is taken at its word; should two processes still get the same GPU,
-    joining says so in one sentence (`_join`).
+    Enough GPUs for every local process: its own, by local rank. Fewer GPUs than local processes is right only
+    when the launcher gave each process its own (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per process): each
+    then takes the first it sees, cuda:0. Otherwise they would share GPUs, and NCCL stops the job with
+    "Duplicate GPU detected". A process sees only what it was given, not what its neighbours were, so a set
+    CUDA_VISIBLE_DEVICES is taken at its word; should two processes still get the same GPU, joining says so in
+    one sentence (`_join`).
     """
     processes = max(local_world_size, local_rank + 1)
     if processes <= visible:
         return local_rank
-    if visible == 1 and any(env.get(name) for name in GPU_CHOSEN_BY):
+    if any(env.get(name) for name in GPU_CHOSEN_BY):
         return 0
     shared = "so they would all use cuda:0, which NCCL refuses" if visible == 1 else "too few for one each"
     raise UserError(f"{processes} processes run on this machine but this one sees {visible} GPU"
