@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mnist_ddp import train
+from mnist_ddp import distributed, train
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import RECIPES
@@ -36,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = distributed.pick_device(args.device, 0, 1)  # with its index, as training picks it
     g = torch.Generator().manual_seed(0)
     n = args.steps * args.batch_size
     images, labels = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,))

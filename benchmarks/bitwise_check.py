@@ -2,7 +2,7 @@
 nothing (the tests assert on CPU: tests/test_bitwise.py).
 
     python benchmarks/bitwise_check.py                  # CPU: worlds 1, 2, 4 (~1 min)
-    python benchmarks/bitwise_check.py --device cuda    # one GPU: world 1 (benchmarks/gpu_check.sh calls this)
+    python benchmarks/bitwise_check.py --device cuda    # one GPU: world 1 (gpu_check.py runs these too)
 
 Every run is the same chaotic recipe (fp32 SGD, lr 0.05, momentum 0.9, 2 epochs of 30 synthetic steps) with
 --bitwise, except where a line says otherwise:
@@ -57,19 +57,24 @@ def runs(device: str) -> dict[str, list[str]]:
                    "DDP's mean, again": ["--accumulate", "4", "--batch-size", "16"]}
 
 
+def verdict(device: str, hashes: dict[str, str]) -> str:
+    """What the hashes of `runs(device)` show, in one line."""
+    same = [h for name, h in hashes.items() if "another" not in name and "mean" not in name]
+    other = hashes["--accumulate 2 --batch-size 32 (another run)"]
+    means = {h for name, h in hashes.items() if "mean" in name}
+    return (f"bitwise_check ({device}): {len(same)} runs of the same run saved "
+            f"{'the same bytes' if len(set(same)) == 1 else f'{len(set(same))} different ones'}; 2 micro-batches of "
+            f"32 {'differ, as they must' if other not in same else 'DID NOT differ'}; DDP's mean twice: "
+            f"{'equal' if len(means) == 1 else 'different'} (not promised)")
+
+
 def check(device: str, folder: Path) -> dict[str, str]:
     """Train every run of `runs(device)` into `folder`; print and return name → model hash."""
     hashes = {}
     for i, (name, args) in enumerate(runs(device).items()):
         hashes[name] = train(folder / f"run{i}", device, args)
         print(f"  {name:46s} {hashes[name]}", flush=True)
-    same = [h for name, h in hashes.items() if "another" not in name and "mean" not in name]
-    other = hashes["--accumulate 2 --batch-size 32 (another run)"]
-    means = {h for name, h in hashes.items() if "mean" in name}
-    print(f"bitwise_check ({device}): {len(same)} runs of the same run saved "
-          f"{'the same bytes' if len(set(same)) == 1 else f'{len(set(same))} different ones'}; 2 micro-batches of 32 "
-          f"{'differ, as they must' if other not in same else 'DID NOT differ'}; DDP's mean twice: "
-          f"{'equal' if len(means) == 1 else 'different'} (not promised)")
+    print(verdict(device, hashes))
     return hashes
 
 

@@ -44,8 +44,10 @@ def _load(name: str) -> datasets.Dataset:
 
 
 def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
-    device = torch.device(args.device)
-    compute.share_cores(rank, world)  # as launch.run_worker does
+    device = distributed.pick_device(args.device, rank, world)  # cuda:<rank>, as launch.run_worker picks it
+    if device.type == "cpu":  # as launch.run_worker does
+        compute.share_cores(rank, world)
+    compute.configure_backends(device, deterministic=False)  # cuDNN autotuning and TF32 on CUDA, as in training
     if args.threads:
         torch.set_num_threads(args.threads)
     d = distributed.setup(identity.spawned(0, rank, world, 1, "127.0.0.1", port), device, None, 120)
@@ -59,7 +61,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         model = model.to(memory_format=torch.channels_last)
     opt, schedule = train.build_optimizer(cfg.recipe, model)
     reduce_seconds, mean = _Seconds(), reduction.MeanReduction(world)
-    mean.observer = timeline.BucketClock(reduce_seconds.bucket)  # as --profile times DDP's reduction
+    clock = mean.observer = timeline.BucketClock(reduce_seconds.bucket, device)  # as --profile times it
     net = train.wrap(model, cfg, d, reduce=mean)
 
     def tick() -> float:
@@ -76,6 +78,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
             reduce_seconds.clear()
             t_start = tick()
         t0 = tick()
+        clock.start(t0)  # on a GPU the clock's CUDA events are read from here
         x, y = next(it)
         t1 = tick()
         with autocast(device, amp):
@@ -84,6 +87,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         opt.zero_grad(set_to_none=True)
         loss.backward()
         t3 = tick()
+        clock.settle()
         opt.step()
         schedule((step + 1) / steps)  # the lr for the next step, as the training loop sets it
         t4 = tick()

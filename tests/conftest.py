@@ -20,7 +20,7 @@ from strict_skips import pytest_configure, pytest_make_collect_report, pytest_ru
 
 # The suite proves the CPU path (gloo, CPU worker processes): on a machine with GPUs it must prove the same, so
 # they are hidden from this process and every child before anything asks CUDA (`-g 2` means two CPU workers
-# there too, and the runs are the CPU's, bit for bit). benchmarks/gpu_check.sh is what runs on GPUs.
+# there too, and the runs are the CPU's, bit for bit). benchmarks/gpu_check.py is what runs on GPUs.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 REPO = Path(__file__).resolve().parents[1]

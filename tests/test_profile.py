@@ -21,7 +21,7 @@ from PIL import Image
 
 from conftest import run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import checkpoint, cli, timeline
 from mnist_ddp.timeline import COLOURS, PHASES, split_steps
 
 
@@ -246,3 +246,38 @@ def test_profile_needs_at_least_one_step(capsys: pytest.CaptureFixture[str]) -> 
     assert cli.main(["train", "--profile", "0"]) == 2
     assert capsys.readouterr().err.strip() == ("mnist-ddp: error: --profile takes a number of steps of at least 1, "
                                                "not 0.")
+
+
+class _Event:
+    """A stand-in for torch.cuda.Event: completes at a moment the test sets (ms), as the device would."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, later: "_Event") -> float:
+        return later.ms - self.ms
+
+
+def test_on_a_gpu_the_clock_reads_the_events_from_the_steps_anchor() -> None:
+    """BucketClock's GPU path (no GPU here, so events stand in): a bucket's moments are the events recorded when
+    the observer was told, read as the anchor's perf_counter plus their time after the anchor's event, not the
+    moments the observer was told (under NCCL the callback runs when the all-reduce is queued); outside an
+    anchored step nothing is kept."""
+    completes = iter([1000.0, 1002.5, 1009.0, 1500.0, 1501.0])  # ms: anchor, handed over, back, then unanchored
+    seen: list[tuple[float, float]] = []
+    clock = timeline.BucketClock(lambda a, b: seen.append((a, b)), torch.device("cuda", 0),
+                                 event=lambda: _Event(next(completes)))
+    clock.start(50.0)  # the step began at perf_counter 50 s, the anchor's event at 1000 ms of the device
+    clock.handed_over(0)
+    clock.back(0)
+    assert seen == []  # nothing is read before the device has caught up
+    clock.settle()
+    assert seen == [(pytest.approx(50.0025), pytest.approx(50.009))]
+    clock.handed_over(0)
+    clock.back(0)  # after settle, no anchor: dropped
+    clock.settle()
+    assert len(seen) == 1 and clock.pending == []
+    cpu = timeline.BucketClock(lambda a, b: seen.append((a, b)), torch.device("cpu"))
+    cpu.handed_over(3)
+    cpu.back(3)  # on the CPU: perf_counter, recorded at once, no anchor needed
+    assert len(seen) == 2 and seen[1][1] >= seen[1][0]

@@ -105,19 +105,22 @@ def test_impossible_launcher_numbers_are_clear_errors(env: dict[str, str], messa
         identity_from_env(env)
 
 
-@pytest.mark.parametrize(("visible", "local_rank", "device"), [(4, 3, "cuda:3"), (1, 3, "cuda:0"), (1, 0, "cuda:0")])
-def test_each_task_gets_its_gpu(monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, device: str) -> None:
+@pytest.mark.parametrize(("visible", "local_rank", "env", "device"), [
+    (4, 3, {}, "cuda:3"), (1, 3, {"CUDA_VISIBLE_DEVICES": "3"}, "cuda:0"),
+    (1, 3, {"SLURM_GPUS_PER_TASK": "1"}, "cuda:0"), (1, 0, {}, "cuda:0")])
+def test_each_task_gets_its_gpu(monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, env: dict[str, str],
+                                device: str) -> None:
     """All GPUs visible: local rank N takes GPU N. `--gpus-per-task 1`: each task sees one, as device 0."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    assert pick_device("cuda", local_rank) == torch.device(device)
+    assert pick_device("cuda", local_rank, 4 if visible > 1 or local_rank else 1, env) == torch.device(device)
 
 
 def test_more_tasks_than_gpus_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(UserError, match="local rank 2 needs a GPU of its own, but this process sees only 2"):
-        pick_device("auto", 2)
+    with pytest.raises(UserError, match="3 processes run on this machine but this one sees 2 GPUs"):
+        pick_device("auto", 2, 3, {})
 
 
 def test_two_processes_started_like_srun_train_together(tmp_path: Path) -> None:

@@ -8,15 +8,18 @@ its device. The choices follow measurements of this ConvNet (benchmarks/ab_compu
   slower than fp32, so fp32 stays.
 - CUDA: fp32 storage with TF32 tensor-core math and cuDNN autotuning. At this size every
   step is bound by kernel launches, not arithmetic, and autocast only adds cast kernels;
-  `--amp bf16` is there to try (benchmarks/gpu_check.sh compares both).
+  `--amp bf16` is there to try (benchmarks/gpu_check.py compares both; not yet run on a GPU).
 - MPS: plain fp32, the layout and precision its kernels support best.
 An explicit flag always wins over these defaults.
 """
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import torch
+
+from .errors import UserError
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -48,16 +51,44 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def configure_backends(device: torch.device, deterministic: bool, bitwise: bool = False) -> None:
-    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones.
+# The cuBLAS workspace sizes with which its GEMMs are deterministic; torch refuses any other under
+# use_deterministic_algorithms. torch reads the variable itself, with getenv, when it first needs it: for that
+# check, and for the workspace it hands cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize,
+# its result kept for the process; hence "a new subprocess" per setting in torch/testing/_internal/common_utils.py).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def cublas_workspace(deterministic: bool, device_type: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What --deterministic on CUDA needs set: CUBLAS_WORKSPACE_CONFIG=:4096:8 where it is unset (else the
+    first cuBLAS call, the model's `fc`, raises). A value of the user's that cuBLAS is not deterministic
+    with is refused, in one sentence."""
+    if not deterministic or device_type != "cuda":
+        return {}
+    value = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if value is None:
+        return {"CUBLAS_WORKSPACE_CONFIG": DETERMINISTIC_CUBLAS[0]}
+    if value not in DETERMINISTIC_CUBLAS:
+        raise UserError(f"--deterministic on CUDA needs CUBLAS_WORKSPACE_CONFIG={' or '.join(DETERMINISTIC_CUBLAS)}, "
+                        f"but it is set to {value!r}; change it or unset it (mnist-ddp then sets :4096:8).")
+    return {}
+
+
+def configure_backends(device: torch.device, deterministic: bool, bitwise: bool = False) -> str:
+    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones. Returns what it set
+    in the environment, for the log ('' when nothing).
 
     `bitwise` (the same bits at any world size) needs kernels that compute a micro-batch the same way every
     time: on a GPU the deterministic ones (no atomics, no autotuning: cuDNN's choice by timing differs from run
     to run); on a CPU one thread per process does it (`share_cores`), whatever the kernels.
-    """
-    if deterministic or (bitwise and device.type != "cpu"):
-        if device.type == "cuda":  # cuBLAS is deterministic only with a fixed workspace (read at its first call)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    Called in every rank before it joins the process group and before any kernel runs: the environment must be
+    the rank's own (forked children have the fork server's, not the launcher's), cuBLAS reads it at its first
+    call, and ProcessGroupNCCL reads `use_deterministic_algorithms` when it is made (it then turns off NVLS
+    reductions, which are not deterministic)."""
+    deterministic = deterministic or (bitwise and device.type != "cpu")
+    settings = cublas_workspace(deterministic, device.type, os.environ)
+    os.environ.update(settings)
+    if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
@@ -65,6 +96,7 @@ def configure_backends(device: torch.device, deterministic: bool, bitwise: bool 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 tensors, TF32 tensor-core math (~1e-3 rel. error)
         torch.backends.cudnn.allow_tf32 = True
+    return " ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def fused_optimizers(device: torch.device) -> bool:

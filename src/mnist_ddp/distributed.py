@@ -16,7 +16,7 @@ checks (checkpoint.pack); what cannot be read is refused in one line.
 import gc
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import errors, membership, rendezvous, untrusted
 from .errors import UserError
-from .heartbeat import BEAT_WAIT_S, LOST_CONTACT, Heartbeat
+from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat
 from .identity import Identity
 from .membership import Credentials
 
@@ -40,25 +40,64 @@ class PeerFailure(UserError):
     exit_code = 1
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU.
+def pick_device(name: str, local_rank: int, local_world_size: int,
+                env: Mapping[str, str] = os.environ) -> torch.device:
+    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU (`gpu_index`).
 
-    A process that sees a single GPU uses it whatever its local rank: SLURM's --gpus-per-task and
-    per-rank CUDA_VISIBLE_DEVICES give every process "its" GPU as device 0.
-    """
+    A CUDA device always carries its index: `torch.cuda.set_device` and NCCL need to know which GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
-        visible = torch.cuda.device_count()
-        if visible > 1 and local_rank >= visible:
-            raise UserError(f"local rank {local_rank} needs a GPU of its own, but this process sees only {visible}; "
-                            f"start at most {visible} processes per node.")
-        return torch.device("cuda", local_rank if visible > 1 else 0)
+        return torch.device("cuda", gpu_index(local_rank, local_world_size, torch.cuda.device_count(), env))
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps was asked for, but this PyTorch has no MPS support here.")
     return torch.device(name)
+
+
+# Set where someone chose which GPUs each process sees: srun --gpus-per-task sets both, a wrapper script that
+# gives each rank its own GPU sets CUDA_VISIBLE_DEVICES.
+GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
+
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str]) -> int:
+    """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` on this machine) takes.
+
+    Enough GPUs for every local process: its own, by local rank. Fewer GPUs than local processes is right only
+    when the launcher gave each process its own (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per process): each
+    then takes the first it sees, cuda:0. Otherwise they would share GPUs, and NCCL stops the job with
+    "Duplicate GPU detected". A process sees only what it was given, not what its neighbours were, so a set
+    CUDA_VISIBLE_DEVICES is taken at its word; should two processes still get the same GPU, joining says so in
+    one sentence (`_join`).
+    """
+    processes = max(local_world_size, local_rank + 1)
+    if processes <= visible:
+        return local_rank
+    if any(env.get(name) for name in GPU_CHOSEN_BY):
+        return 0
+    shared = "so they would all use cuda:0, which NCCL refuses" if visible == 1 else "too few for one each"
+    raise UserError(f"{processes} processes run on this machine but this one sees {visible} GPU"
+                    f"{'s' if visible > 1 else ''} ({shared}); start at most {visible} per machine "
+                    f"(torchrun --nproc-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1, "
+                    f"or CUDA_VISIBLE_DEVICES set per process).")
+
+
+def nccl_error_handling(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set so that an NCCL failure reaches Python: TORCH_NCCL_ASYNC_ERROR_HANDLING=2, unless
+    the user chose how NCCL errors are handled.
+
+    torch's default (3, torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp: ErrorHandlingMode; read in
+    ProcessGroupNCCL's constructor) has the watchdog thread rethrow a collective's timeout or a peer's error,
+    which ends the process with SIGABRT: no Python exception, so no PeerFailure, no heartbeat diagnosis, no
+    `finally`. 2 (CleanUpOnly) aborts the communicator and leaves the process running: the kernels that waited
+    return, and the next collective raises "NCCL communicator was aborted", which `is_peer_failure` knows.
+    TORCH_NCCL_BLOCKING_WAIT is no alternative: it creates no watchdog at all, and DDP's gradient all-reduce
+    never waits on the work (it completes through a CUDA future), so a frozen peer would hang it forever.
+    """
+    chosen = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+              "NCCL_BLOCKING_WAIT")
+    return {} if any(name in env for name in chosen) else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +127,23 @@ class Dist:
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def raise_if_aborted(self) -> None:
+        """Raise, as the next collective would, when NCCL's watchdog has aborted the communicator.
+
+        With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (`nccl_error_handling`) a collective that timed out or lost a peer
+        aborts the communicator, and the kernels that waited on it return: the process runs on with whatever they
+        left (a half-reduced gradient, the totals of a fold) until its next collective raises. Rank 0 asks before
+        it saves, so that no checkpoint holds such numbers. ProcessGroupNCCL.get_error (torch/csrc/distributed/
+        c10d/init.cpp; SUCCESS until the watchdog records a TIMEOUT or COMM_ERROR); a torch without it, or any
+        other backend, has nothing to ask."""
+        if self.world_size == 1 or dist.get_backend() != "nccl":
+            return
+        get_error = getattr(dist.group.WORLD._get_backend(self.device), "get_error", None)
+        error = get_error() if get_error else None
+        if error is not None and error.name != "SUCCESS":
+            raise dist.DistBackendError(f"NCCL communicator was aborted ({error.name}): a collective timed out or "
+                                        f"lost a peer")
 
     def from_main(self, fn: Callable[[], T], encode: Callable[[T], bytes] = lambda v: json.dumps(v).encode(),
                   decode: Callable[[bytes], T] = untrusted.parse) -> T:
@@ -190,13 +246,19 @@ def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s:
     if ident.world_size > 1:
         if device.type == "mps":
             raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-        beat = _join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
-                     heartbeat_s, creds or Credentials())
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":
+            os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
+        # device_id binds the group to this GPU: NCCL's communicator is made now, inside _join's clear errors,
+        # not at the first collective, and barrier() uses that GPU (distributed_c10d.py: init_process_group,
+        # barrier). Only for nccl: init_process_group refuses a CPU device_id, and gloo needs none.
+        beat = _join(ident, backend, timedelta(seconds=timeout_s), heartbeat_s, creds or Credentials(),
+                     device_id=device if backend == "nccl" else None)
     return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id, beat)
 
 
 def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
-          creds: Credentials) -> Heartbeat | None:
+          creds: Credentials, device_id: torch.device | None = None) -> Heartbeat | None:
     os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
     beat = None
 
@@ -204,12 +266,13 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
         nonlocal beat
         if heartbeat_s:
             beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-            beat = Heartbeat(dist.PrefixStore("mnist_ddp/heartbeat", beats), ident.rank, ident.world_size, heartbeat_s,
+            beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
     try:
         store = rendezvous.joined_store(ident, timeout)
         membership.meet(store, ident, creds, timeout, start_beating)  # every rank proven, or the missing named
-        dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
+                                **({"device_id": device_id} if device_id is not None else {}))
         if beat:
             beat.at("setting up (data, model, checkpoint)")
         return beat
@@ -218,6 +281,8 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
         who = beat.diagnose() if beat else ""
         if beat:
             beat.stop(LOST_CONTACT, culprit=False)
+        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
+            raise UserError(_shared_gpu(ident, device_id)) from e
         raise UserError(
             f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
             f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s "
@@ -229,6 +294,12 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
         if beat:
             beat.stop("interrupted", culprit=False)
         raise
+
+
+def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
+    return (f"rank {ident.rank} and another process of this job use the same GPU ({device}; NCCL: \"Duplicate GPU "
+            f"detected\"); give each process its own GPU (srun --gpus-per-task 1, or CUDA_VISIBLE_DEVICES set per "
+            f"process), or start at most as many processes per machine as it has GPUs.")
 
 
 # What gloo and NCCL say when the other end of a collective died, or did not answer within --timeout.
@@ -251,7 +322,7 @@ def teardown(together: bool) -> None:
     """
     if dist.is_available() and dist.is_initialized():
         if together:
-            dist.barrier()
+            dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
         # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
         # group's gloo threads are stopped here rather than by destructors while the interpreter exits
         # (where a still-running thread aborts the process: "terminate called without an active exception").

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from . import untrusted
 
 T = TypeVar("T")
+BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
 BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
 LOST_CONTACT = "lost contact"  # the last words of a survivor
 # What a beat holds (`Heartbeat._beat`); a record without these, of these types, is no beat of ours.
@@ -104,6 +105,24 @@ class Heartbeat:
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mnist-ddp heartbeat", daemon=True)
         self.thread.start()
+
+    @classmethod
+    def reader(cls, store: dist.Store, world: int, interval: float) -> "Heartbeat":
+        """The job's beats as a launcher reads them (launch.spawn): no rank of its own, no beating; `diagnose`
+        and `mark_left` only."""
+        reader = cls.__new__(cls)
+        reader.store, reader.rank, reader.world, reader.interval, reader.store_host = store, -1, world, interval, None
+        reader.me, reader.roster, reader.store_silent = {"node": _node()}, {}, False
+        return reader
+
+    def mark_left(self, rank: int, left: str) -> None:
+        """Write `rank`'s last record for it, as a departure that is not its own failure: for a rank that could
+        not (killed by a signal) and is known to be no culprit, so that no diagnosis names it as silent."""
+        read = _bounded(self._read, BEAT_WAIT_S)  # (readable beats, unreadable ones), or None: no answer
+        beat = read[0].get(rank) if read else None
+        if beat:
+            _bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
+                     BEAT_WAIT_S)
 
     def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
         """What this rank does now: a new phase is published at once (by the thread), a new step with the next

@@ -25,7 +25,7 @@ def _trained_on(ckpt: dict) -> str:
 
 def run_evaluate(cfg: EvalConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
-    device = pick_device(cfg.device, 0)
+    device = pick_device(cfg.device, 0, 1)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
     # The precision and layout the run evaluated in, so that on the same device this reproduces its test
@@ -72,7 +72,7 @@ def _images(path: Path) -> torch.Tensor:
 
 def run_predict(cfg: PredictConfig) -> int:
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
-    device = pick_device(cfg.device, 0)
+    device = pick_device(cfg.device, 0, 1)
     model.to(device).eval()
     classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits
     for path in _inputs(cfg.files):

@@ -13,6 +13,7 @@ written is never left half-done), and the parent takes its children down with it
 """
 
 import logging
+import multiprocessing.connection
 import os
 import secrets
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import checkpoint, compute, distributed, errors, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
@@ -68,9 +70,12 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
     once (torchrun and srun start all ranks before any of them could look).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
-        device = distributed.pick_device(cfg.device, ident.local_rank)
+        device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size)
         if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
             compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
+        settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining and any kernel
+        if settings and ident.rank == 0:
+            print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
         creds = Credentials(cfg.secret or b"", train.run_settings(cfg, ident.world_size))
         d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
         if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
@@ -144,6 +149,8 @@ def preflight(cfg: TrainConfig) -> None:
             raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
+    # a bad CUBLAS_WORKSPACE_CONFIG is refused now (--bitwise on CUDA runs the deterministic kernels too)
+    compute.cublas_workspace(cfg.deterministic or cfg.bitwise, "cuda" if cuda else "cpu", os.environ)
     if cfg.tensorboard:  # under a launcher every rank checks: none waits for a rank 0 that refused
         tb.check_installed()
 
@@ -208,6 +215,31 @@ def _stop(children: mp.ProcessContext) -> None:
             p.join()
 
 
+def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCPStore | None") -> str:
+    """Who the children that SIGABRT ended were waiting for, from the beats, read while the others still run;
+    '' when the heartbeat is off, or names nobody (then the aborted rank is the cause).
+
+    NCCL's watchdog ends a rank that way when its collective timed out or a peer failed (torch's default
+    TORCH_NCCL_ASYNC_ERROR_HANDLING; mnist-ddp sets 2, which raises instead, only where you set nothing), and
+    the first to go is a survivor, not the culprit. So each aborted rank is marked as having left, and the
+    reading is repeated while more of them end during it, so that only a rank that stopped answering on its own
+    (or failed for its own reason) is named. Node 0's parent reads its own store; the others have none."""
+    if not cfg.heartbeat or store is None:
+        return ""
+    beats = heartbeat.Heartbeat.reader(dist.PrefixStore(heartbeat.BEATS_PREFIX, store), cfg.world_size,
+                                       cfg.heartbeat)
+
+    def ended() -> set[int]:
+        return {cfg.node_rank * cfg.gpus + i for i, p in enumerate(children.processes) if p.exitcode == -signal.SIGABRT}
+    marked: set[int] = set()
+    while marked != ended():
+        for rank in ended() - marked:
+            beats.mark_left(rank, "ended by SIGABRT")
+            marked.add(rank)
+        said = beats.diagnose()
+    return "" if said.startswith("every rank still answers") else said
+
+
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store. On one node the
     parent makes the job's secret and hands it to its children alone (never to the store, never to disk)."""
@@ -227,14 +259,26 @@ def spawn(cfg: TrainConfig) -> int:
         children = mp.start_processes(_spawned, args=(cfg, addr, port, reports), nprocs=cfg.gpus, join=False,
                                       start_method="forkserver")
         try:
+            aborted = ""  # who the ranks that SIGABRT ended were waiting for
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
-            while not children.join(grace_period=SETTLE_S):
-                pass
+            while True:
+                multiprocessing.connection.wait(list(children.sentinels))  # a child ended; the others still run
+                if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
+                    aborted = _after_abort(children, cfg, store)
+                if children.join(grace_period=SETTLE_S):
+                    break
         except mp.ProcessExitedException as e:
             rank = cfg.node_rank * cfg.gpus + e.error_index
+            if e.signal_name == "SIGABRT" and aborted:
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was ended by SIGABRT, as NCCL's watchdog ends a "
+                                  f"rank whose collective timed out or lost a peer, while {aborted}; the other "
+                                  f"processes were stopped. Run again with --resume to continue from the last "
+                                  f"checkpoint.") from None
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
-                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}; the other "
+                hint = " (on a GPU, NCCL's watchdog ends a rank so when a collective fails: see its log)" \
+                    if e.signal_name == "SIGABRT" else ""
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; the other "
                                   f"processes were stopped. Run again with --resume to continue from the last "
                                   f"checkpoint.") from None
             cause = reports.cause()

@@ -171,7 +171,10 @@ def gather(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor,
     one all-gather into the tensor returned, `per_rank` rows from each rank in rank order (`in_part_order`)."""
     send = padded_rows(mine, share, like)
     gathered = send.new_empty(share.world * per_rank(share), like.numel())
-    return dist.all_gather_single(gathered, send, async_op=async_op), gathered
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (pytorch#186123) and deprecated the old
+    # name, which older torch (down to our floor, 2.10) has alone.
+    collective = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    return collective(gathered, send, async_op=async_op), gathered
 
 
 def all_parts(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> list[torch.Tensor]:

@@ -20,7 +20,9 @@ one lane per rank, time running left to right, so that stragglers and waiting sh
   slower peer;
 - other: the rest of the step (the loop's bookkeeping, logging, checkpoints).
 Clocks: ranks on rank 0's machine share its clock; a rank on another machine is aligned to rank 0 by the
-moment the all-reduce finished, which all ranks see within about one network hop.
+moment the all-reduce finished, which all ranks see within about one network hop. On a GPU the comm hook's moments
+are CUDA events, read back at each step's end (`BucketClock`): a future's callback under NCCL runs when the
+all-reduce is queued, not done.
 
 Profiling never changes the training: the clock only watches the reduction that runs anyway (DDP's mean
 or --bitwise's), and nothing else touches the numbers.
@@ -58,6 +60,7 @@ class StepProfiler:
         self.window: range | None = None  # the run's steps that are profiled, once the first step ended
         self.marks: list[dict[str, Any]] = []  # one per profiled step: phases and buckets, perf_counter seconds
         self.profiler: torch.profiler.profile | None = None
+        self.clock: BucketClock | None = None  # set by `watch` when there is a reduction to time
 
     @property
     def active(self) -> bool:
@@ -66,7 +69,7 @@ class StepProfiler:
     def watch(self, reduction: Reduction) -> None:
         """Time each gradient bucket's reduction (in one process there is none: no DDP, no comm hook)."""
         if self.steps:
-            reduction.observer = BucketClock(self.bucket)
+            self.clock = reduction.observer = BucketClock(self.bucket, self.d.device)
 
     def phase(self, name: str) -> Any:
         """A context that marks phase `name` of the current step (nothing outside the profiled steps)."""
@@ -95,6 +98,8 @@ class StepProfiler:
         if self.active:
             assert self.profiler is not None and self.window is not None
             self.marks[-1]["end"] = self._now()
+            if self.clock:  # the device has caught up (`_now`): its events can be read
+                self.clock.settle()
             self.profiler.step()
             if self.done == self.window[-1]:
                 self._finish()
@@ -103,6 +108,8 @@ class StepProfiler:
             self._start()
         if self.active:
             self.marks.append({"start": self._now(), "phases": [], "buckets": []})
+            if self.clock:
+                self.clock.start(self.marks[-1]["start"])
 
     def _plan(self, left: int) -> None:
         """Which steps to profile, after the first one, with `left` more in this epoch: all in this epoch."""
@@ -155,17 +162,58 @@ class StepProfiler:
 
 
 class BucketClock:
-    """The moments a reduction's observer is told (reduction.BucketObserver), read on perf_counter: when backward
-    handed a bucket over, and when the reduced bucket's future completed (its callback ran). `record` gets both."""
+    """The moments a reduction's observer is told (reduction.BucketObserver): when backward handed a bucket over,
+    and when its reduced values were back. `record` gets both, as perf_counter seconds.
 
-    def __init__(self, record: Callable[[float, float], None]) -> None:
+    On the CPU a moment is perf_counter, read when the observer is told: gloo's future completes when the
+    all-reduce has. On a GPU that reading would be wrong twice: backward hands a bucket over once its gradient
+    kernels are queued, not run, and under NCCL the future's callback runs when the all-reduce is queued, with
+    the current stream made to wait for NCCL's (torch.futures.Future.then; ProcessGroupNCCL's WorkNCCL future),
+    so perf_counter there reads ~0 for the all-reduce and puts its time into backward. So on a GPU a moment is a
+    CUDA event recorded on the current stream when the observer is told, which completes when the work queued
+    before it has: the gradients, then the all-reduce. `settle`, once the device has caught up (the profiler
+    synchronizes at each step's end), turns them into perf_counter seconds from the step's `anchor`: a
+    perf_counter reading and an event recorded right after it, on an idle device (after a synchronize).
+    """
+
+    def __init__(self, record: Callable[[float, float], None], device: torch.device,
+                 event: Callable[[], Any] | None = None) -> None:
         self.record, self.since = record, {}
+        self.event = event or (_cuda_event if device.type == "cuda" else None)  # None: perf_counter
+        self.anchor: tuple[float, Any] | None = None
+        self.pending: list[tuple[Any, Any]] = []
+
+    def _moment(self) -> Any:
+        return time.perf_counter() if self.event is None else self.event()
 
     def handed_over(self, bucket: int) -> None:
-        self.since[bucket] = time.perf_counter()
+        self.since[bucket] = self._moment()
 
     def back(self, bucket: int) -> None:
-        self.record(self.since.pop(bucket), time.perf_counter())
+        handed_over, back = self.since.pop(bucket), self._moment()
+        if self.event is None:
+            self.record(handed_over, back)
+        elif self.anchor is not None:  # events outside an anchored step are dropped, not kept for ever
+            self.pending.append((handed_over, back))
+
+    def start(self, now: float) -> None:
+        """A step begins at perf_counter `now`, with the device idle: the anchor for its events."""
+        if self.event is not None:
+            self.anchor, self.pending = (now, self.event()), []
+
+    def settle(self) -> None:
+        """Record the step's events as seconds (the device must have caught up with them), and drop the anchor."""
+        if self.anchor is not None:
+            now, anchor = self.anchor
+            for a, b in self.pending:
+                self.record(now + anchor.elapsed_time(a) / 1e3, now + anchor.elapsed_time(b) / 1e3)
+        self.anchor, self.pending = None, []
+
+
+def _cuda_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()  # on the current stream: the one backward and the comm hook's callback run on
+    return event
 
 
 def split_steps(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -70,9 +70,22 @@ class Diverged(UserError):
     exit_code = 1
 
 
-# How often the loop reads the scaler's verdict (`_stop_if_diverged`). Reading it waits for the device's
-# queued work: free on the CPU, a stall on a GPU, so there once per this many steps (and before every save).
+# How often the loop reads the scaler's verdict (`_stop_if_diverged`) where reading it costs a wait: on a GPU
+# with fused optimizers, whose steps never wait for the device (and before every save).
 CHECK_EVERY_ON_ACCELERATORS = 50
+
+
+def check_every(device: torch.device) -> int:
+    """Steps between readings of the guard's verdict. Reading it waits for the device's queued work: free on the
+    CPU, a stall on a GPU. Where the optimizer is not fused (MPS) the scaler's step already waits each step
+    (GradScaler._maybe_opt_step reads found_inf with .item()), so reading every step costs nothing more."""
+    return 1 if device.type == "cpu" or not compute.fused_optimizers(device) else CHECK_EVERY_ON_ACCELERATORS
+
+
+# GradScaler("mps") raised on torch 2.5-2.6 (its fp64 reciprocal: pytorch#142397) and its MPS kernels came
+# later (pytorch#150255); 2.13's grad_scaler.py special-cases mps:0. Older torch on MPS gets a disabled scaler.
+# (torch.__version__ compares as a version: "2.10" > "2.4".)
+MPS_SCALER_SINCE = "2.10"
 
 
 def guard(device: torch.device, amp: str) -> torch.amp.GradScaler:
@@ -80,10 +93,29 @@ def guard(device: torch.device, amp: str) -> torch.amp.GradScaler:
     device and skips (also on the device, with fused optimizers) every step whose gradients are not finite,
     so non-finite weights are never made. With fp16 it also scales the loss (skipped steps are normal while
     it finds the scale); otherwise its scale stays 1 (multiplying by 1 changes no bit) until a step is skipped.
-    Either way a scale below 1 means divergence: in fp16, gradients that overflow even unscaled."""
+    Either way a scale below 1 means divergence: in fp16, gradients that overflow even unscaled.
+    On MPS before torch 2.10 it is disabled (its scale reads 1): a diverged run is then caught by the loss and
+    BatchNorm checks of the next fold, still before anything is saved."""
+    if device.type == "mps" and torch.__version__ < MPS_SCALER_SINCE:
+        return torch.amp.GradScaler(device.type, enabled=False)
     if amp == "fp16":
         return torch.amp.GradScaler(device.type)
     return torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)  # halves on a skip, never grows
+
+
+def check_sync_bn(sync_bn: bool, share: Share) -> None:
+    """Refuse --sync-bn where ranks run different numbers of micro-batches per step (a resume at a world that
+    does not divide the run's M): every forward of a SyncBatchNorm all-gathers statistics and every backward
+    all-reduces gradients (torch/nn/modules/_functions.py), so a rank with one more micro-batch would issue
+    collectives its peers never match, and every rank would wait until --timeout. Equal shares pair: K
+    micro-batches per rank make K all-gathers and K all-reduces per BatchNorm layer on every rank, in the same
+    order, and no_sync, which only holds back DDP's gradient all-reduce, changes none of them."""
+    counts = {len(share.mine(rank)) for rank in range(share.world)}
+    if sync_bn and share.world > 1 and len(counts) > 1:
+        raise UserError(f"--sync-bn needs every process to run the same number of micro-batches per step, but "
+                        f"{share.world} processes share this run's {share.slots} unevenly ({min(counts)} or "
+                        f"{max(counts)} each); resume with a world size that divides {share.slots}, or without "
+                        f"--sync-bn.")
 
 
 @dataclass
@@ -165,7 +197,7 @@ class Trainer:
         # (a resume takes the checkpoint's M instead: `_resume`).
         self._share(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
         self.scaler = guard(d.device, self.amp)
-        self.check_every = 1 if d.device.type == "cpu" else CHECK_EVERY_ON_ACCELERATORS
+        self.check_every = check_every(d.device)
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.progress = Progress()
         # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step, until the next fold
@@ -177,6 +209,7 @@ class Trainer:
         """Deal the run's micro-batches over this world: this rank's steps, its BatchNorm statistics per part
         (`saved_stats`: every part's, from a checkpoint), and the reduction of their gradients."""
         r, d = self.cfg.recipe, self.d
+        check_sync_bn(self.cfg.sync_bn, share)
         self.train_batches = StepBatches(self.data.train.images, self.data.train.labels, r.batch_size, share,
                                          rank=d.rank, device=d.device, seed=self.cfg.seed, normalize=r.normalize,
                                          channels_last=self.channels_last)
@@ -326,6 +359,7 @@ class Trainer:
         """Rank 0 writes a checkpoint (of BatchNorm statistics already averaged over the ranks); checkpoint.pt
         keeps the one before it as checkpoint.prev.pt, for `--resume` to fall back to."""
         if self.d.is_main:
+            self.d.raise_if_aborted()  # numbers made after NCCL aborted its communicator are no checkpoint
             self.d.at(f"saving {path.name}")
             checkpoint.save(path, {
                 "model": checkpoint.plain_module(self.model).state_dict(),
@@ -392,7 +426,6 @@ def run(cfg: TrainConfig, d: Dist) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
     report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    compute.configure_backends(d.device, cfg.deterministic, cfg.bitwise)
     data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
