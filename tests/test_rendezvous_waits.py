@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny
+from mnist_ddp import rendezvous
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
 TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]
@@ -62,3 +63,13 @@ def test_ranks_waiting_for_a_peer_stop_when_told(how: signal.Signals, tmp_path: 
     for rc, out in results:
         assert rc == 130, out
         assert out.strip().splitlines() == ["mnist-ddp: interrupted."], out
+
+
+def test_the_gist_of_an_error_inside_the_comm_hook_is_the_collectives_own() -> None:
+    """A collective that fails inside our comm hook's future arrives wrapped in torch's callback error and led by
+    gloo's source location: the gist is gloo's sentence alone (the message that names the cause quotes it)."""
+    wrapped = RuntimeError("Got the following error when running the callback: RuntimeError: [/__w/pytorch/third_"
+                           "party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send "
+                           "operation to complete. More text.\nA second line.")
+    assert rendezvous.gist(wrapped) == "Timed out waiting 10000ms for send operation to complete"
+    assert rendezvous.gist(RuntimeError("[x.cc:1] Connection closed by peer")) == "Connection closed by peer"

@@ -216,5 +216,7 @@ def interface_to(addr: str) -> str | None:
 def gist(e: BaseException) -> str:
     """The gist of a c10d/gloo error: its first sentence, without the C++ source location."""
     lines = [line for line in str(e).splitlines() if line.strip()]
-    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0].strip()).split(". ")[0] if lines else type(e).__name__
+    # A collective that fails inside a comm hook's future (reduction.py) comes wrapped in torch's callback error.
+    first = re.sub(r"^Got the following error when running the callback: \w+: ", "", lines[0].strip()) if lines else ""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0] if lines else type(e).__name__
     return first if len(first) <= 200 else first[:197] + "..."
