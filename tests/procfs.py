@@ -73,6 +73,13 @@ def children(pid: int) -> list[int]:
     return [p for p in _pids() if (info := _state_and_parent(p)) and info[1] == pid and info[0] != "Z"]
 
 
+def spawned_workers(parent: int) -> list[int]:
+    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is."""
+    server = next(pid for pid in children(parent) if MARK in env_of(pid)
+                  and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+    return children(server)
+
+
 def env_of(pid: int) -> dict[str, str]:
     pairs = (item.split(b"=", 1) for item in _environ(pid).split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}

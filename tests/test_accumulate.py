@@ -1,6 +1,6 @@
 """One run, any world size: the step's gradient is the same for every way of sharing the run's global batch.
 
-Real gloo ranks run the real pieces (`StepBatches`, `train.wrap`, `steps.accumulate`, `PartStats`) for the
+Real gloo ranks run the real pieces (`StepBatches`, `trainer.wrap`, `steps.accumulate`, `PartStats`) for the
 first and the last (shorter) step of an epoch and save the all-reduced gradient. The run's global batch is
 M = 4 micro-batches; worlds 1, 2, 4 (accumulating 4, 2, 1 each) and 3 (sharing 4 unevenly) must agree to
 float summation order, a run of another global batch must not, and the gradient must be the mean over the
@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from conftest import spawn_gloo
 from datafiles import one_thread
-from mnist_ddp import train
+from mnist_ddp import trainer
 from mnist_ddp.batches import Share, StepBatches, epoch_order, model_input, padded
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
@@ -45,7 +45,7 @@ def _rank(d: Dist, out: str, slots: int) -> None:
     torch.manual_seed(0)
     model = ConvNet()
     share = Share(slots, d.world_size)
-    net = train.wrap(model, TrainConfig(), d, accumulating=share.parts > share.world)
+    net = trainer.wrap(model, TrainConfig(), d, accumulating=share.parts > share.world)
     calls = []
     if d.world_size > 1:
         def counting(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -55,7 +55,7 @@ def _rank(d: Dist, out: str, slots: int) -> None:
     images, labels = _data()
     batches = StepBatches(images, labels, BATCH, share, rank=d.rank, device=CPU, seed=0)
     stats = PartStats(model, share.mine(d.rank), share.parts, d)
-    scaler = train.guard(CPU, "off")
+    scaler = trainer.guard(CPU, "off")
     steps = list(batches)
     saved = {}
     for name, step in (("first", steps[0]), ("last", steps[-1])):  # no optimizer step: both from the same weights

@@ -21,7 +21,7 @@ import torch
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
 from mnist_ddp.errors import UserError
-from procfs import MARK, children, env_of, finish, free_port, marked_env, needs_proc, reaped, start, wait_for
+from procfs import children, env_of, finish, free_port, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 
 pytestmark = needs_proc
 
@@ -202,13 +202,6 @@ def _last_error(log: str) -> str:
     return next(line for line in reversed(log.splitlines()) if line.startswith("mnist-ddp: error: "))
 
 
-def _spawned_workers(parent: int) -> list[int]:
-    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is."""
-    server = next(pid for pid in children(parent) if MARK in env_of(pid)
-                  and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
-    return children(server)
-
-
 # case -> (launched by: hand (RANK/WORLD_SIZE, rank 0 hosts the store) or spawn (-g 3), the rank hit, the signal)
 HIT = {"rank 2 killed": ("hand", 2, "SIGKILL"), "rank 2 frozen": ("hand", 2, "SIGSTOP"),
        "rank 0 frozen, with the store it hosts": ("hand", 0, "SIGSTOP"),
@@ -238,7 +231,7 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
         for n, (case, procs) in enumerate(jobs.items()):
             _, rank, how = HIT[case]
             wait_for(f"{case}: training", lambda out=tmp_path / str(n): progress(out), HANG, running=procs[0])
-            victims[case] = procs[rank].pid if rank is not None else max(_spawned_workers(procs[0].pid))
+            victims[case] = procs[rank].pid if rank is not None else max(spawned_workers(procs[0].pid))
             os.kill(victims[case], getattr(signal, how))
             sent[case] = time.time()
         for n, (case, procs) in enumerate(jobs.items()):
@@ -273,7 +266,7 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         parent = start([*_train(out, "-n", "1", "-g", "2", "--epochs", "50", "--checkpoint-every", "2")], env,
                        tmp_path, tmp_path / "log")
         wait_for("training", lambda: progress(out), HANG, running=parent)
-        victim = _spawned_workers(parent.pid)[0]
+        victim = spawned_workers(parent.pid)[0]
         os.kill(victim, signal.SIGKILL)
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log

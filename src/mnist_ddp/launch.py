@@ -21,13 +21,26 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
+from . import (
+    checkpoint,
+    compute,
+    console,
+    distributed,
+    forkserver,
+    heartbeat,
+    identity,
+    outdir,
+    rendezvous,
+    tb,
+    trainer,
+)
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
@@ -76,7 +89,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            train.run(cfg, d)
+            trainer.run(cfg, d)
             finished = True
             return 0
         except RuntimeError as e:
@@ -140,9 +153,11 @@ def preflight(cfg: TrainConfig) -> None:
         tb.check_installed()
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue") -> None:
+def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue",
+             output: Connection) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
+    console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
@@ -186,7 +201,7 @@ def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store."""
     addr = cfg.master_addr or "127.0.0.1"
     store = None
-    with _signals_interrupt():
+    with _signals_interrupt(), console.relay() as output:
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
@@ -194,7 +209,7 @@ def spawn(cfg: TrainConfig) -> int:
         errors = mp.get_context("forkserver").SimpleQueue()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors), nprocs=cfg.gpus, join=False,
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors, output), nprocs=cfg.gpus, join=False,
                                       start_method="forkserver")
         try:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact

@@ -36,7 +36,7 @@ def running_stats(model: nn.Module) -> list[torch.Tensor]:
 class PartStats:
     """BatchNorm's running statistics, one set for each part of the step this rank trains.
 
-    Each rank keeps its own statistics while training (no broadcast before every forward: train.wrap),
+    Each rank keeps its own statistics while training (no broadcast before every forward: trainer.wrap),
     and `average` replaces every set by the mean over all the step's parts (one all-reduce) before the
     model is evaluated or saved, so every rank scores, and rank 0 saves, the same model, estimated
     from every rank's data. With one part per rank there is one set, the model's own buffers.
