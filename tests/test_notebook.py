@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 from nbclient import NotebookClient
 from nbformat import NotebookNode
 
-from conftest import REPO
+from conftest import REPO, cli_env
 from mnist_ddp import checkpoint, cli
 from procfs import marked_env, marked_pids, needs_proc, reaped, spawned_workers
 
@@ -91,7 +92,14 @@ class Kernel:
         await _until("the first checkpoint", lambda: (out / "checkpoint.pt").is_file())
         workers = spawned_workers(self.pid)
         assert len(workers) == 2, workers  # the control: the workers are where the checks below look
+        # Forked from the fork server, a fresh interpreter, not from the kernel: no copy of it runs the workers.
+        for worker in workers:
+            assert "multiprocessing.forkserver" in _cmdline(worker) and "ipykernel" not in _cmdline(worker)
         return workers
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
 
 
 def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -180,3 +188,36 @@ async def _a_worker_killed(kernel: Kernel, work: Path) -> None:
     assert error.ename == "PeerFailure" and f"(pid {victim}) was killed by SIGKILL" in error.evalue, error
     assert "--resume" in error.evalue and not any("launch.py" in line for line in error.traceback), error.traceback
     assert "Traceback" not in _text(cell, "stderr") + _text(cell), cell.outputs
+
+
+# A spy on every torch.cuda entry point that initialises CUDA or asks the driver, installed before the fork
+# server's preload is imported as the server imports it; its control calls one afterwards.
+CUDA_SPY = """
+import importlib, sys
+import torch
+calls = []
+def spy(owner, name):
+    real = getattr(owner, name, None)
+    if real is not None:
+        setattr(owner, name, lambda *a, **k: (calls.append(name), real(*a, **k))[1])
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device",
+             "get_device_properties", "get_device_capability", "is_bf16_supported", "synchronize", "mem_get_info"):
+    spy(torch.cuda, name)
+for name in ("_cuda_getDeviceCount", "_cuda_init"):
+    spy(torch._C, name)
+from mnist_ddp import forkserver
+for module in forkserver.PRELOAD:
+    importlib.import_module(module)
+print(calls, torch.cuda.is_initialized(), "mnist_ddp.launch" in sys.modules)
+torch.cuda.is_available()
+print(calls)
+"""
+
+
+def test_the_fork_servers_preload_makes_no_cuda_call() -> None:
+    """What keeps a kernel's CUDA out of the workers: the server is exec'd fresh (the test above sees its command
+    line), and what it imports before forking them asks nothing of CUDA, so each worker initialises CUDA itself,
+    as a fresh process does (torch refuses CUDA in a child forked after CUDA was initialised). Checked with the
+    CPU build of torch: import-time paths that only a CUDA build takes are not run here."""
+    r = subprocess.run([sys.executable, "-c", CUDA_SPY], env=cli_env(), capture_output=True, text=True, timeout=HANG)
+    assert r.stdout.splitlines() == ["[] False True", "['is_available']"], r.stdout + r.stderr
