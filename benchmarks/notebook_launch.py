@@ -27,6 +27,7 @@ in forked subprocess". The fork server was exec'd fresh and its preload makes no
 
 import argparse
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -76,8 +77,8 @@ def _fork_launch(cfg: Any) -> None:
         store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=cfg.timeout))
         errors = mp.get_context("fork").SimpleQueue()
         try:
-            mp.start_processes(launch._spawned, args=(cfg, "127.0.0.1", store.port, errors, output), nprocs=2,
-                               start_method="fork")
+            mp.start_processes(launch._spawned, args=(cfg, "127.0.0.1", store.port, errors, output, dict(os.environ)),
+                               nprocs=2, start_method="fork")
         except mp.ProcessExitedException:
             while not errors.empty():  # what our own launcher would have raised
                 print(f"worker error: {errors.get()}", flush=True)
@@ -89,14 +90,15 @@ def _side(side: str, state: str, samples: int, out: str) -> None:
     _touch(state)
     from mnist_ddp import api, cli
 
-    options = {"processes": 2, "dataset": "synthetic", "train_samples": samples, "test_samples": 1000, "epochs": 1,
-               "progress": False, "plots": False, "out": out}
-    print(f"launch: {time.monotonic()}", flush=True)
-    if side == "ours":
-        api.train(**options)
-    else:
-        _fork_launch(cli.configure(api.command_line("train", options)))
-    print(f"done: {time.monotonic()}", flush=True)
+    for again in ("", "-again"):  # a second launch from the same process: a notebook's next cell
+        options = {"processes": 2, "dataset": "synthetic", "train_samples": samples, "test_samples": 1000,
+                   "epochs": 1, "progress": False, "plots": False, "out": out + again}
+        print(f"launch: {time.monotonic()}", flush=True)
+        if side == "ours":
+            api.train(**options)
+        else:
+            _fork_launch(cli.configure(api.command_line("train", options)))
+        print(f"done: {time.monotonic()}", flush=True)
 
 
 def _timed(side: str, state: str, samples: int, work: Path) -> dict[str, object]:
@@ -117,18 +119,17 @@ def _timed(side: str, state: str, samples: int, work: Path) -> dict[str, object]
         p.wait()
         hung = True
     reader.join()
-    seen = {}
+    seen: dict[str, list[float]] = {"launch:": [], "run:": [], "done:": []}
     for arrived, line in lines:
         word = line.split(" ")[0]
         if word in ("launch:", "done:"):
-            seen[word] = float(line.split()[1])  # the child's time.monotonic(): the same clock as this one's
+            seen[word].append(float(line.split()[1]))  # the child's time.monotonic(): the same clock as this one's
         elif word == "run:":
-            seen.setdefault("run:", arrived)
-    ok = not hung and p.returncode == 0 and "done:" in seen
-    first = seen["run:"] - seen["launch:"] if {"run:", "launch:"} <= seen.keys() else None
-    end = seen["done:"] - seen["launch:"] if ok else None
-    why = "hung" if hung else "" if ok else _cause([line for _, line in lines])
-    return {"ok": ok, "first step": first, "end": end, "why": why}
+            seen[word].append(arrived)
+    ok = not hung and p.returncode == 0 and len(seen["done:"]) == 2
+    launch, run, done = seen["launch:"], seen["run:"], seen["done:"]
+    times = {"first step": run[0] - launch[0], "end": done[0] - launch[0], "again": run[1] - launch[1]} if ok else {}
+    return {"ok": ok, "why": "hung" if hung else "" if ok else _cause([line for _, line in lines]), **times}
 
 
 def _cause(log: list[str]) -> str:
@@ -159,21 +160,23 @@ def main() -> None:
                     got = _timed(side, state, args.samples, Path(tmp))
                     results.setdefault((state, side), []).append(got)
                     print(f"round {r + 1} {state:8s} {side:5s} " + (
-                        f"ok, first step after {got['first step']:.2f} s, done after {got['end']:.2f} s" if got["ok"]
-                        else f"FAILED: {got['why']}"), flush=True)
-    print(f"\n{'state':8s} {'side':5s} {'finished':>9s} {'first step':>11s} {'end':>8s}  (medians of finished runs)")
+                        f"ok, first step after {got['first step']:.2f} s, done after {got['end']:.2f} s; launched "
+                        f"again: first step after {got['again']:.2f} s" if got["ok"] else f"FAILED: {got['why']}"),
+                          flush=True)
+    columns = ("first step", "end", "again")
+    print(f"\n{'state':8s} {'side':5s} {'finished':>9s} {'first step':>11s} {'end':>8s} {'again':>8s}  (medians of "
+          f"finished runs; again: the first step of a second launch from the same process)")
     for (state, side), rows in results.items():
         done = [r for r in rows if r["ok"]]
-        first = f"{statistics.median(r['first step'] for r in done):10.2f}s" if done else f"{'-':>11s}"
-        end = f"{statistics.median(r['end'] for r in done):7.2f}s" if done else f"{'-':>8s}"
-        print(f"{state:8s} {side:5s} {len(done):>4d} of {len(rows)} {first} {end}")
-        for why in sorted({str(r["why"]) for r in rows if not r["ok"]}):
+        cells = [f"{statistics.median(r[c] for r in done):.2f}s" if done else "-" for c in columns]
+        print(f"{state:8s} {side:5s} {len(done):>4d} of {len(rows)} {cells[0]:>11s} {cells[1]:>8s} {cells[2]:>8s}")
+        for why in sorted({re.sub(r"\d+", "N", str(r["why"])) for r in rows if not r["ok"]}):  # ranks, ports: N
             print(f"{'':15s}failed: {why}")
     for state in states:
         fork, ours = ([r for r in results[(state, side)] if r["ok"]] for side in SIDES)
-        if fork and ours:
-            ratio = statistics.median(r["first step"] for r in fork) / statistics.median(r["first step"] for r in ours)
-            print(f"{state}: launch to first step, fork / ours = {ratio:.2f}x")
+        for column in ("first step", "again") if fork and ours else ():
+            ratio = statistics.median(r[column] for r in fork) / statistics.median(r[column] for r in ours)
+            print(f"{state}: launch to first step{' (again)' if column == 'again' else ''}, fork / ours = {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ examples/ddp_in_a_notebook.ipynb runs top to bottom, its data made tiny (an over
 tagged "parameters", as papermill does): the kernel uses torch and trains in its own process, then launches
 `processes=2`, shows the plots, evaluates, predicts and raises a bad value's sentence. Then, in the same
 kernel: "interrupt kernel" (SIGINT to the kernel's process group, what Jupyter sends) during a
-`processes=2` run, and again in the same cell after it; SIGKILL to one worker; and one more run. /proc says
-which processes are left, not our code.
+`processes=2` run, and again in the same cell after it; SIGKILL to one worker; an environment variable set
+now; and one more run. /proc says which processes are left, not our code.
 """
 
 import asyncio
@@ -125,8 +125,7 @@ def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: 
                 await _the_notebook(kernel, work, said)
                 await _interrupted(kernel, work, mark)
                 await _a_worker_killed(kernel, work)
-                again = await kernel.run('print(train(processes=2, out="runs/nb-again", **data).accuracy)')
-                assert 0 <= float(_text(again).splitlines()[-1]) <= 1
+                await _the_kernels_environment_now(kernel)
         asyncio.run(drive())
 
 
@@ -188,6 +187,20 @@ async def _a_worker_killed(kernel: Kernel, work: Path) -> None:
     assert error.ename == "PeerFailure" and f"(pid {victim}) was killed by SIGKILL" in error.evalue, error
     assert "--resume" in error.evalue and not any("launch.py" in line for line in error.traceback), error.traceback
     assert "Traceback" not in _text(cell, "stderr") + _text(cell), cell.outputs
+
+
+
+async def _the_kernels_environment_now(kernel: Kernel) -> None:
+    """The workers get the kernel's environment as it is at the launch, not the fork server's from its start
+    (forkserver.adopt): a GLOO_SOCKET_IFNAME naming no interface, set now, stops them joining; once it is gone
+    the next run in the same kernel trains."""
+    cell = await kernel.run('import os\nos.environ["GLOO_SOCKET_IFNAME"] = "nosuchif0"\n'
+                            + LONG_RUN.format(name="nb-environment"), raises=True)
+    [error] = _errors(cell)
+    assert error.ename == "UserError" and "could not join the 1 other process" in error.evalue, error
+    again = await kernel.run('del os.environ["GLOO_SOCKET_IFNAME"]\n'
+                             'print(train(processes=2, out="runs/nb-again", **data).accuracy)')
+    assert 0 <= float(_text(again).splitlines()[-1]) <= 1
 
 
 # A spy on every torch.cuda entry point that initialises CUDA or asks the driver, installed before the fork

@@ -154,9 +154,10 @@ def preflight(cfg: TrainConfig) -> None:
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, errors: "mp.SimpleQueue",
-             output: Connection) -> None:
+             output: Connection, environ: dict[str, str]) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
+    forkserver.adopt(environ)
     console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
@@ -209,8 +210,8 @@ def spawn(cfg: TrainConfig) -> int:
         errors = mp.get_context("forkserver").SimpleQueue()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors, output), nprocs=cfg.gpus, join=False,
-                                      start_method="forkserver")
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, errors, output, dict(os.environ)),
+                                      nprocs=cfg.gpus, join=False, start_method="forkserver")
         try:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
