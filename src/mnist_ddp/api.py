@@ -45,15 +45,16 @@ def _flags(keyword: str, action: argparse.Action, value: Any) -> list[str]:
     """One keyword's value as the command line says it; None says nothing (the flag's own default)."""
     if value is None:
         return []
-    name = action.option_strings[-1]  # the long name: --gpus for -g
+    both_ways = isinstance(action, argparse.BooleanOptionalAction)  # --normalize / --no-normalize
+    name = action.option_strings[0 if both_ways else -1]  # the long name: --gpus for -g
     if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):  # switches, and a bare --profile
         if not isinstance(value, bool):
             raise UserError(f"{keyword}= is True or False (the switch {name}), not {value!r}.")
-        if isinstance(action, argparse.BooleanOptionalAction):  # --normalize / --no-normalize
+        if both_ways:
             return [action.option_strings[0 if value else 1]]
         return [name] if value == (action.const if action.nargs == 0 else True) else []
     if isinstance(action, argparse._AppendAction):  # --mirror URL, repeatable: one value or several
-        return [f"{name}={v}" for v in ([value] if isinstance(value, str | os.PathLike) else value)]
+        return [f"{name}={v}" for v in (value if isinstance(value, list | tuple) else [value])]
     return [f"{name}={value}"]  # one argument, even one that starts with a dash
 
 
@@ -63,7 +64,8 @@ def command_line(command: str, options: dict[str, Any], positionals: tuple[str, 
     argv = [command]
     for keyword, value in options.items():
         if keyword not in known:
-            near = RENAMED.get(keyword) or next(iter(difflib.get_close_matches(keyword, known, n=1)), None)
+            renamed = RENAMED.get(keyword)
+            near = renamed if renamed in known else next(iter(difflib.get_close_matches(keyword, known, n=1)), None)
             raise UserError(f"{command}() has no keyword {keyword}=" + (f"; did you mean {near}=?" if near else "")
                             + f" (its keywords are the flags of `mnist-ddp {command} --help`, underscores for dashes"
                             + (", and processes= for -g/--gpus)." if command == "train" else ")."))
