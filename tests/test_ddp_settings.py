@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import cli_env, spawn_gloo
-from mnist_ddp import train
+from mnist_ddp import trainer
 from mnist_ddp.batches import Share
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
@@ -23,7 +23,7 @@ WORLD = 2
 def _rank(d: Dist, out: str) -> None:
     torch.manual_seed(0)
     model = ConvNet()
-    net = train.wrap(model, TrainConfig(), d)
+    net = trainer.wrap(model, TrainConfig(), d)
     for step in range(3):  # each rank its own data, so its own BatchNorm statistics
         net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * d.rank + step))).sum().backward()
     before = {k: v.clone() for k, v in model.named_buffers()}

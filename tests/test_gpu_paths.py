@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, compute, datasets, distributed, forkserver, train
+from mnist_ddp import cli, compute, datasets, distributed, forkserver, trainer
 from mnist_ddp.batches import Share
 from mnist_ddp.config import DataConfig, TrainConfig
 from mnist_ddp.distributed import Dist
@@ -220,9 +220,9 @@ def test_sync_bn_needs_equal_shares(share: Share, sync_bn: bool, refused: bool) 
     if refused:
         with pytest.raises(UserError, match=r"--sync-bn needs every process to run the same number of micro-batches "
                                             r"per step, but 3 processes share this run's 4 unevenly \(1 or 2 each\)"):
-            train.check_sync_bn(sync_bn, share)
+            trainer.check_sync_bn(sync_bn, share)
     else:
-        train.check_sync_bn(sync_bn, share)
+        trainer.check_sync_bn(sync_bn, share)
 
 
 def test_sync_bn_is_checked_where_a_resume_deals_the_micro_batches(tmp_path: Path) -> None:
@@ -230,11 +230,11 @@ def test_sync_bn_is_checked_where_a_resume_deals_the_micro_batches(tmp_path: Pat
     (the CLI refuses --sync-bn on the CPU earlier, so the seam is tested directly)."""
     data = datasets.load(DataConfig("synthetic", data_dir=tmp_path, train_samples=400, test_samples=100))
     d = Dist(rank=0, local_rank=0, world_size=3, local_world_size=3, device=torch.device("cpu"))  # no group needed
-    trainer = train.Trainer(TrainConfig(sync_bn=True, out=str(tmp_path / "o")), d, data,
-                            Reporter(tmp_path / "o", False, False, False, False))
-    trainer._share(Share(slots=6, world=3))  # even
+    run = trainer.Trainer(TrainConfig(sync_bn=True, out=str(tmp_path / "o")), d, data,
+                          Reporter(tmp_path / "o", False, False, False, False))
+    run._share(Share(slots=6, world=3))  # even
     with pytest.raises(UserError, match="--sync-bn needs every process"):
-        trainer._share(Share(slots=4, world=3))
+        run._share(Share(slots=4, world=3))
 
 
 def test_mps_guard_and_check_cadence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,13 +242,13 @@ def test_mps_guard_and_check_cadence(monkeypatch: pytest.MonkeyPatch) -> None:
     every step there too; only a GPU with fused steps saves by reading it every 50. GradScaler("mps") before
     torch 2.10 is a disabled one (its scale reads 1)."""
     cpu, mps, cuda = torch.device("cpu"), torch.device("mps"), torch.device("cuda", 0)
-    assert (train.check_every(cpu), train.check_every(mps), train.check_every(cuda)) == \
-        (1, 1, train.CHECK_EVERY_ON_ACCELERATORS)
-    assert train.guard(mps, "off").is_enabled()  # this torch (2.13)
+    assert (trainer.check_every(cpu), trainer.check_every(mps), trainer.check_every(cuda)) == \
+        (1, 1, trainer.CHECK_EVERY_ON_ACCELERATORS)
+    assert trainer.guard(mps, "off").is_enabled()  # this torch (2.13)
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
-    old = train.guard(mps, "off")
+    old = trainer.guard(mps, "off")
     assert not old.is_enabled() and old.get_scale() == 1.0
-    assert train.guard(cpu, "off").is_enabled()  # the control: only MPS is affected
+    assert trainer.guard(cpu, "off").is_enabled()  # the control: only MPS is affected
 
 
 # --- what the reading found right, kept right -----------------------------------------------------------------
@@ -347,9 +347,9 @@ def test_the_step_loop_reads_from_the_device_only_at_its_check_points(monkeypatc
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, recorded)
     monkeypatch.setattr(Dist, "at", lambda self, phase, epoch=0, step=0: events.append(f"@{phase}:{step}"))
-    fold = train.Trainer._fold
-    monkeypatch.setattr(train.Trainer, "_fold", lambda self, *a: (events.append("@fold"), fold(self, *a))[1])
-    monkeypatch.setattr(train, "check_every", lambda device: 4)
+    fold = trainer.Trainer._fold
+    monkeypatch.setattr(trainer.Trainer, "_fold", lambda self, *a: (events.append("@fold"), fold(self, *a))[1])
+    monkeypatch.setattr(trainer, "check_every", lambda device: 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cli.main(["train", *tiny(1200, 100), "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     reads: dict[str, int] = {}

@@ -2,8 +2,8 @@
 
 Each rank's BatchNorm normalises its own half-batch, so the single-process reference runs
 the two halves as separate forward passes and averages their gradients, which is what DDP's
-all-reduce computes. Built from the real pieces: ConvNet, `train.wrap` (our DDP settings),
-`shard_indices` and `train.build_optimizer`.
+all-reduce computes. Built from the real pieces: ConvNet, `trainer.wrap` (our DDP settings),
+`shard_indices` and `trainer.build_optimizer`.
 """
 
 import os
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import spawn_gloo
 from datafiles import one_thread
-from mnist_ddp import train
+from mnist_ddp import trainer
 from mnist_ddp.batches import shard_indices
 from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
@@ -54,9 +54,9 @@ def _rank(d: Dist, out: str) -> None:
         torch.manual_seed(d.rank)  # different initial weights per rank: DDP must broadcast rank 0's
         model = ConvNet()
         cfg = _config(optimizer)
-        net = train.wrap(model, cfg, d)
+        net = trainer.wrap(model, cfg, d)
         assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
-        opt, schedule = train.build_optimizer(cfg.recipe, model)
+        opt, schedule = trainer.build_optimizer(cfg.recipe, model)
         x, y = _data()
         for n, (epoch, step) in enumerate(_steps()):
             i = _batch(d.rank, step, epoch)
@@ -71,7 +71,7 @@ def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # rank 0's initial weights
     model = ConvNet()
     cfg = _config(optimizer)
-    opt, schedule = train.build_optimizer(cfg.recipe, model)
+    opt, schedule = trainer.build_optimizer(cfg.recipe, model)
     x, y = _data()
     for n, (epoch, step) in enumerate(_steps()):
         schedule(n / len(_steps()))

@@ -80,9 +80,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("-g", "--gpus", type=int, default=1,
                    help="processes on this node: one per GPU, or CPU worker processes without GPUs")
     g.add_argument("-nr", "--nr", dest="node_rank", type=int, default=0, help="this node's index, 0 to nodes-1")
-    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
-                   help="node 0's address (default: $MASTER_ADDR, else 127.0.0.1 on one node)")
-    g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+    g.add_argument("--master-addr", help="node 0's address (default: $MASTER_ADDR, else 127.0.0.1 on one node)")
+    g.add_argument("--master-port", type=int,
                    help="node 0's port (default: $MASTER_PORT, else a free port on one node)")
     g.add_argument("--secret-file", metavar="PATH",
                    help="a file (mode 600) holding the job's secret, the same on every node, which every process "
@@ -208,46 +207,68 @@ def _bench_config(a: argparse.Namespace) -> BenchConfig:
 
 
 def _train_config(a: argparse.Namespace) -> TrainConfig:
+    # The environment is read here, as the command runs, not when the parser is built (api.py builds it at import).
+    addr = a.master_addr if a.master_addr is not None else os.environ.get("MASTER_ADDR")
+    port = a.master_port if a.master_port is not None else _env_int("MASTER_PORT")
     return TrainConfig(
-        data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, secret=read_secret(a.secret_file, os.environ), device=a.device,
-        backend=a.backend, timeout=a.timeout, heartbeat=a.heartbeat, recipe_name=a.recipe,
-        recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
+        data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=addr, master_port=port,
+        secret=read_secret(a.secret_file, os.environ), device=a.device, backend=a.backend, timeout=a.timeout,
+        heartbeat=a.heartbeat, recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}),
+        seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,
         tensorboard=a.tensorboard, log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
-def _dispatch(argv: list[str]) -> int:
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of one command (`train`, `evaluate`, …): what api.py turns into keywords."""
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
+
+
+Config = TrainConfig | BenchConfig | EvalConfig | PredictConfig
+
+
+def configure(argv: list[str]) -> Config:
+    """A command line → its command's config, checked: argparse, then the config's own checks. The Python API
+    (api.py) builds its configs here too, so both take the same values and refuse the same ones alike."""
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["train", *argv]  # the tutorial's `script.py -n 1 -g 2 -nr 0` shape
     a = _parser().parse_args(argv)
+    if a.command == "train":
+        return _train_config(a)
+    if a.command == "bench":
+        return _bench_config(a)
+    if a.command == "evaluate":
+        return EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size)
+    return PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
+
+
+def run_train(cfg: TrainConfig) -> int:
+    """Train as this process was started (alone, -g's children, or a rank of torchrun/srun/mpirun); the exit code."""
+    if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
+        from . import forkserver
+
+        forkserver.start()
+    from .launch import launch
+
+    return launch(cfg)
+
+
+def _dispatch(argv: list[str]) -> int:
     # Every config is built and checked before the first module that imports torch (seconds to load), so
     # --help and a bad flag answer at once.
-    if a.command == "train":
-        cfg = _train_config(a)
-        if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
-            from . import forkserver
-
-            forkserver.start()
-        from .launch import launch
-
-        return launch(cfg)
-    if a.command == "bench":
-        bench_cfg = _bench_config(a)
+    cfg = configure(argv)
+    if isinstance(cfg, TrainConfig):
+        return run_train(cfg)
+    if isinstance(cfg, BenchConfig):
         from . import bench
 
-        return bench.run(bench_cfg)
-    if a.command == "evaluate":
-        eval_cfg = EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size)
-        from . import infer
-
-        return infer.run_evaluate(eval_cfg)
-    predict_cfg = PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
+        return bench.run(cfg)
     from . import infer
 
-    return infer.run_predict(predict_cfg)
+    return infer.run_evaluate(cfg) if isinstance(cfg, EvalConfig) else infer.run_predict(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

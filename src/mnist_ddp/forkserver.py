@@ -42,3 +42,12 @@ def die_with_launcher() -> None:
         multiprocessing.connection.wait([parent.sentinel])
         os.kill(os.getpid(), signal.SIGINT)
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def adopt(environ: dict[str, str]) -> None:
+    """In a child: the launcher's environment as it is now, not the server's. The server keeps the environment
+    it started with, and in a notebook it outlives many launches: a variable set in the kernel since
+    (CUDA_VISIBLE_DEVICES, NCCL_*, GLOO_SOCKET_IFNAME, …) must reach the workers, as it reaches a fresh process.
+    What torch read when the server imported it (OMP_NUM_THREADS, for one) stays the server's."""
+    os.environ.clear()
+    os.environ.update(environ)

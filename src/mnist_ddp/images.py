@@ -44,6 +44,31 @@ def read_digit(path: Path) -> torch.Tensor:
     return _mnist_like(grey)
 
 
+def from_pil(img: Image.Image) -> torch.Tensor:
+    """A Pillow image (a file's, or one the Python API was given) as a (28, 28) uint8 MNIST digit."""
+    return _mnist_like(_grey(img))
+
+
+def from_tensor(images: torch.Tensor, name: str) -> torch.Tensor:
+    """A tensor the Python API was given as (N, 28, 28) uint8 digits: (28, 28), (N, 28, 28) or (N, 1, 28, 28),
+    uint8 pixels or floats in [0, 1] (what torchvision's ToTensor makes), light digits on black like MNIST's."""
+    x = images.detach().cpu()
+    if x.dim() == 4 and x.shape[1] == 1:
+        x = x[:, 0]
+    x = x[None] if x.dim() == 2 else x
+    if x.dim() != 3 or tuple(x.shape[1:]) != (SIDE, SIDE):
+        raise UserError(f"{name}: a tensor of shape {tuple(images.shape)}; predict takes 28x28 images: (28, 28), "
+                        f"(N, 28, 28) or (N, 1, 28, 28) (give an image file or a PIL image of any size instead).")
+    if x.dtype == torch.uint8:
+        return x
+    if not x.is_floating_point():
+        raise UserError(f"{name}: a {x.dtype} tensor; predict takes uint8 pixels (0-255) or floats in [0, 1].")
+    if x.numel() and not (x.min() >= 0 and x.max() <= 1):
+        raise UserError(f"{name}: pixel values from {float(x.min()):.3g} to {float(x.max()):.3g}; predict takes floats "
+                        f"in [0, 1], not normalised ones (the checkpoint's own normalisation is applied), or uint8.")
+    return (x * 255).round().to(torch.uint8)
+
+
 def _grey(img: Image.Image) -> Image.Image:
     """8-bit grey levels; transparent pixels become the page, in the colour that contrasts with the ink."""
     if img.mode.startswith("I"):  # 16-bit grey PNG ("I;16", or "I" in older Pillows): convert("L") would clip

@@ -1,5 +1,9 @@
-"""`evaluate` and `predict`: use any ConvNet checkpoint, one process."""
+"""`evaluate` and `predict`: use any ConvNet checkpoint, one process.
 
+The command prints what the Python API (api.py) returns: an `Evaluation`, and a `Prediction` per image.
+"""
+
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +15,7 @@ from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
 from .errors import UserError
 from .evaluation import evaluate
+from .results import Evaluation, Prediction
 
 
 def _normalizes(ckpt: dict) -> bool:
@@ -23,7 +28,8 @@ def _trained_on(ckpt: dict) -> str:
     return ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
 
 
-def run_evaluate(cfg: EvalConfig) -> int:
+def evaluation(cfg: EvalConfig) -> Evaluation:
+    """The checkpoint's test metrics, in the precision and layout it was trained in."""
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
@@ -37,8 +43,12 @@ def run_evaluate(cfg: EvalConfig) -> int:
                              shuffle=False, pad=False, normalize=_normalizes(ckpt), channels_last=channels_last)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
-    print(f"test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on {data.name} "
-          f"({data.where}), test loss {result.loss:.4f}")
+    return Evaluation(result.accuracy, result.correct, result.count, result.loss, data.name, data.where,
+                      result.confusion.tolist())
+
+
+def run_evaluate(cfg: EvalConfig) -> int:
+    print(evaluation(cfg))
     return 0
 
 
@@ -70,18 +80,28 @@ def _images(path: Path) -> torch.Tensor:
     return found
 
 
-def run_predict(cfg: PredictConfig) -> int:
+def read_files(names: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each file's name and its (N, 28, 28) uint8 images, read as they are needed."""
+    for path in _inputs(names):
+        yield str(path), _images(path)
+
+
+def predictions(cfg: PredictConfig, sources: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Prediction]:
+    """The top classes of every image of each (name, (N, 28, 28) uint8 images) source, one by one."""
     model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     model.to(device).eval()
     classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits
-    for path in _inputs(cfg.files):
-        batch = _images(path)
+    for name, batch in sources:
         x = model_input(batch.to(device), _normalizes(ckpt))
         with torch.inference_mode():
             probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
         top = probs.topk(cfg.top, dim=1)
         for i, (p, c) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            where = path if len(batch) == 1 else f"{path}[{i}]"
-            print(f"{where}: " + ", ".join(f"{classes[k]} ({100 * q:.1f}%)" for k, q in zip(c, p)))
+            yield Prediction(name if len(batch) == 1 else f"{name}[{i}]", [classes[k] for k in c], p)
+
+
+def run_predict(cfg: PredictConfig) -> int:
+    for prediction in predictions(cfg, read_files(cfg.files)):
+        print(prediction)
     return 0

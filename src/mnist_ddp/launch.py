@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
@@ -30,7 +31,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import checkpoint, compute, distributed, errors, forkserver, heartbeat, identity, outdir, rendezvous, tb, train
+from . import (
+    checkpoint,
+    compute,
+    console,
+    distributed,
+    errors,
+    forkserver,
+    heartbeat,
+    identity,
+    outdir,
+    rendezvous,
+    tb,
+    trainer,
+)
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
@@ -76,7 +90,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining and any kernel
         if settings and ident.rank == 0:
             print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
-        creds = Credentials(cfg.secret or b"", train.run_settings(cfg, ident.world_size))
+        creds = Credentials(cfg.secret or b"", trainer.run_settings(cfg, ident.world_size))
         d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
         if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
             # Not an error: the tutorial's flags, typed as they are, must keep working.
@@ -89,7 +103,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            train.run(cfg, d)
+            trainer.run(cfg, d)
             finished = True
             return 0
         except RuntimeError as e:
@@ -182,9 +196,12 @@ class ErrorPipe:
         return next((e for e, echo in found if not echo), found[0][0]) if found else None
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe) -> None:
+def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
+             output: Connection, environ: dict[str, str]) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
+    forkserver.adopt(environ)
+    console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
         run_worker(ident, cfg)
@@ -247,7 +264,7 @@ def spawn(cfg: TrainConfig) -> int:
     if cfg.nodes == 1:
         cfg = replace(cfg, secret=secrets.token_bytes(32))
     store = None
-    with _signals_interrupt():
+    with _signals_interrupt(), console.relay() as output:
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout),
                                           one_node=cfg.nodes == 1)
@@ -256,8 +273,8 @@ def spawn(cfg: TrainConfig) -> int:
         reports = ErrorPipe()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports), nprocs=cfg.gpus, join=False,
-                                      start_method="forkserver")
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ)),
+                                      nprocs=cfg.gpus, join=False, start_method="forkserver")
         try:
             aborted = ""  # who the ranks that SIGABRT ended were waiting for
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact

@@ -15,7 +15,7 @@ per-job key:
 4. once every rank is in, rank 0 welcomes each under its token, with an HMAC again (so a rank knows that the
    job it joins holds the same secret), and they all go on to init_process_group.
 
-The run digest covers what every rank must agree on (train.run_settings: the settings a resume must keep, the
+The run digest covers what every rank must agree on (trainer.run_settings: the settings a resume must keep, the
 data, the world), so a rank of another run that was pointed at the same address and port — a second job
 started by hand with another --seed — is refused while the first job waits on for its own. Without a secret
 (several nodes, none given) the same check-in still tells runs apart, but anyone could pass it.
@@ -63,7 +63,7 @@ class Refused(UserError):
 @dataclass(frozen=True)
 class Credentials:
     """What a rank proves at check-in: that it knows the job's secret (b"": none was given), and which run it is
-    part of (train.run_settings)."""
+    part of (trainer.run_settings)."""
 
     secret: bytes = field(default=b"", repr=False)
     run: Mapping[str, str] = field(default_factory=dict)

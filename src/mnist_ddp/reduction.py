@@ -2,7 +2,7 @@
 
 DDP calls a comm hook for every gradient bucket that backward fills, from inside backward, with the bucket's
 flat gradients; the future it returns holds the reduced gradients DDP puts back. Both reductions here are
-such hooks (`comm_hook`, installed by `train.wrap`), and the loop's `steps.accumulate` works with either:
+such hooks (`comm_hook`, installed by `trainer.wrap`), and the loop's `steps.accumulate` works with either:
 - `MeanReduction` (the default) is what DDP does without a hook: each rank's gradient, accumulated in
   `.grad` over its micro-batches under `no_sync`, times 1/world, all-reduced (summed). The sum's order
   follows the world: how a rank's micro-batches were grouped, then gloo's or NCCL's reduction order, so

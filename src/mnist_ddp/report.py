@@ -5,15 +5,14 @@ methods do nothing, so the training loop needs no `if rank == 0` branches.
 """
 
 import json
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from tqdm import tqdm
 
-from . import atomic
+from . import atomic, console
+from .results import read_jsonl
 from .tb import TensorBoard
 
 T = TypeVar("T")
@@ -39,7 +38,7 @@ class Reporter:
         if self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
         if self.steps_path.exists():
-            self.logged = [point for point in _jsonl(self.steps_path) if point["samples"] <= step]
+            self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
     def steps(self, points: list[dict[str, float]]) -> None:
         """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
@@ -61,11 +60,10 @@ class Reporter:
             print(line, flush=True)
 
     def bar(self, items: Iterable[T], total: int, desc: str, initial: int = 0) -> Iterator[T]:
-        """`items`, with a progress bar on rank 0's stderr when progress is on."""
+        """`items`, with rank 0's progress bar when progress is on (drawn where console.py says)."""
         if not (self.enabled and self.progress):
             return iter(items)
-        return iter(tqdm(items, total=total, desc=desc, initial=initial, leave=False, dynamic_ncols=True,
-                         mininterval=0.5, file=sys.stderr))
+        return console.bar(items, total, desc, initial)
 
     def keep_epochs_before(self, epoch: int) -> None:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
@@ -84,24 +82,25 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
-        plt = pyplot() if self.plots or self.tb is not None else None
-        figure = _confusion_figure(plt, confusion, classes) if plt else None  # drawn once, for both
+        figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
+        figure = _confusion_figure(figure_class, confusion, classes) if figure_class else None  # drawn once, for both
         if self.plots and figure is not None:
-            self._plot(plt, figure)
+            self._plot(figure_class, figure)
         if self.tb is not None:
             self.tb.epoch(step, metrics, figure)
-        if figure is not None:
-            plt.close(figure)
 
     def history(self) -> list[dict[str, Any]]:
-        return _jsonl(self.metrics_path) if self.metrics_path.exists() else []
+        return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
 
-    def _plot(self, plt: Any, confusion_figure: Any) -> None:
+    def _plot(self, figure_class: Any, confusion_figure: Any) -> None:
         """curves.png (the train loss of every logged step and each epoch's losses and test accuracy, against
         epochs: samples seen / samples per epoch) and confusion.png."""
         rows = self.history()
         epochs = [r["epoch"] for r in rows]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        from matplotlib.ticker import MaxNLocator
+
+        fig = figure_class(figsize=(11, 4))
+        ax1, ax2 = fig.subplots(1, 2)
         ax1.plot([p["epoch"] for p in self.logged], [p["train_loss"] for p in self.logged], "-", alpha=0.6,
                  label="train, every logged step")
         ax1.hlines([r["train_loss"] for r in rows], [e - 1 for e in epochs], epochs, colors="C1",
@@ -113,10 +112,9 @@ class Reporter:
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
         for ax in (ax1, ax2):
             ax.set_xlim(0, max(epochs) + 0.05)
-            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
         save_figure(fig, self.out / "curves.png")
-        plt.close(fig)
 
         save_figure(confusion_figure, self.out / "confusion.png")
 
@@ -127,25 +125,21 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     atomic.write(path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def pyplot() -> Any | None:
-    """matplotlib's pyplot, drawing off-screen; None without matplotlib (the `plot` extra is optional)."""
+def matplotlib_figure() -> Any | None:
+    """matplotlib's Figure class, None without matplotlib (the `plot` extra is optional). A Figure made from it
+    draws off-screen without pyplot, so its global backend stays the user's: a notebook that trained in its
+    own process still shows its own plots inline."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    return plt
+    return Figure
 
 
-def _confusion_figure(plt: Any, confusion: torch.Tensor, classes: tuple[str, ...]) -> Any:
+def _confusion_figure(figure_class: Any, confusion: torch.Tensor, classes: tuple[str, ...]) -> Any:
     """The confusion matrix with its counts: confusion.png, and TensorBoard's image."""
-    fig, ax = plt.subplots(figsize=(7, 6))
+    fig = figure_class(figsize=(7, 6))
+    ax = fig.subplots()
     ax.imshow(confusion.numpy(), cmap="Blues")
     ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true",
            title="confusion matrix (test set)")

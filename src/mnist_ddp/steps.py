@@ -38,7 +38,7 @@ class PartStats:
     """BatchNorm's running statistics, one set for each part of the step this rank trains.
 
     Before a part's forward pass its set is loaded into the model's buffers, and afterwards taken back
-    (`use`): no broadcast before every forward (train.wrap), each part's statistics evolve as on a rank of
+    (`use`): no broadcast before every forward (trainer.wrap), each part's statistics evolve as on a rank of
     its own. `average` makes the model's buffers the mean over all the step's parts, added in part order
     whatever the world, before the model is evaluated or saved, so every rank scores, and rank 0 saves,
     the same model, estimated from every rank's data; the sets themselves train on untouched, so when

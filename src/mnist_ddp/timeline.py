@@ -43,7 +43,7 @@ import torch
 from . import atomic
 from .distributed import Dist
 from .reduction import Reduction
-from .report import Reporter, pyplot, save_figure
+from .report import Reporter, matplotlib_figure, save_figure
 
 WARMUP = 5  # steps before profiling
 PHASES = ("data", "forward", "backward", "all-reduce", "waiting", "optimizer", "other")
@@ -152,11 +152,11 @@ class StepProfiler:
         split = split_steps(everyone)
         self.report.say(table(split, f"steps {self.window.start}-{self.window[-1]} of this run"))
         atomic.write(self.folder / "phases.json", lambda f: f.write(json.dumps(split, indent=1).encode()))
-        plt = pyplot()
-        if plt is None:
+        figure_class = matplotlib_figure()
+        if figure_class is None:
             self.report.say("profile: matplotlib is not installed, so timeline.png was not drawn")
         else:
-            draw(plt, split, self.folder / "timeline.png")
+            draw(figure_class, split, self.folder / "timeline.png")
         self.report.say(f"profile: Chrome traces (Perfetto, chrome://tracing), timeline.png and phases.json in "
                         f"{self.folder}")
 
@@ -294,11 +294,14 @@ def table(split: dict[str, Any], which: str) -> str:
     return "\n".join(lines)
 
 
-def draw(plt: Any, split: dict[str, Any], path: Path) -> None:
+def draw(figure_class: Any, split: dict[str, Any], path: Path) -> None:
     """timeline.png: a lane per rank (rank 0 on top), each step's phases in colour, step starts as ticks,
     and under each lane a thin bar for every bucket's all-reduce in flight (the comm hook's view)."""
     ranks = split["ranks"]
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.8 * len(ranks)))
+    from matplotlib.patches import Rectangle
+
+    fig = figure_class(figsize=(12, 1.6 + 0.8 * len(ranks)))
+    ax = fig.subplots()
     for lane, r in enumerate(ranks):
         y = len(ranks) - 1 - lane
         for s in r["steps"]:
@@ -317,8 +320,7 @@ def draw(plt: Any, split: dict[str, Any], path: Path) -> None:
                  f"{1e3 * statistics.mean(x['step'] for x in m):.1f} ms, waiting "
                  f"{1e3 * statistics.mean(x['waiting'] for x in m):.2f} ms, all-reduce "
                  f"{1e3 * statistics.mean(x['all-reduce'] for x in m):.2f} ms")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[p]) for p in PHASES]
+    handles = [Rectangle((0, 0), 1, 1, color=COLOURS[p]) for p in PHASES]
     fig.legend(handles, PHASES, ncol=len(PHASES), loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))  # room for the legend: half an inch
     save_figure(fig, path)
-    plt.close(fig)
