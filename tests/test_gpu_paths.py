@@ -302,10 +302,10 @@ def test_collectives_are_called_only_where_their_tensors_are_known_to_be_on_the_
 # Each edit puts one CPU tensor in a collective's way (directly, or through a parameter, an attribute, a returned
 # value, a list of tuples or a dict of buffers): the reading must find every one.
 CPU_TENSOR_EDITS = [
-    ("train", "torch.tensor(float(seen_here), device=self.d.device)", "torch.tensor(float(seen_here))"),
-    ("train", "loss_sum = torch.zeros((), device=d.device)", "loss_sum = torch.zeros(())"),
+    ("trainer", "torch.tensor(float(seen_here), device=self.d.device)", "torch.tensor(float(seen_here))"),
+    ("trainer", "loss_sum = torch.zeros((), device=d.device)", "loss_sum = torch.zeros(())"),
     ("steps", "loss_sum = torch.zeros((), device=device)", "loss_sum = torch.zeros(())"),
-    ("train", "loss_sum.clone(), samples))", "torch.tensor(1.0), samples))"),
+    ("trainer", "loss_sum.clone(), samples))", "torch.tensor(1.0), samples))"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
     ("steps", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
     ("steps", "self.share, self._flat())", "self.share, self._flat().cpu())"),
