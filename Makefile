@@ -33,7 +33,7 @@ train: $(VENV)/.plot
 	$(BIN)/mnist-ddp train --dataset auto $(ARGS)
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 # pytest's exit code 5 ("no tests ran") is a failure here, never a silent pass.
 test: lint
