@@ -265,7 +265,7 @@ def test_survivors_name_the_rank_that_died_or_froze(tmp_path: Path) -> None:
             # one: the survivor waiting on it, the whole --timeout 10; another survivor may have been waiting on
             # that one instead (gloo's ring), and then hears its connection close when it gives up.
             if how == "SIGKILL":
-                assert "10000" not in waits, waits
+                assert not any(w.isdigit() for w in waits), waits  # no survivor timed out, whatever the wait
             else:
                 assert "10000" in waits and set(waits) <= {"10000", "closed"}, waits
             with suppress(ProcessLookupError):  # spawn's parent killed its frozen child already
