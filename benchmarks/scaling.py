@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
         alpha, beta = fit(points)
         rms = math.sqrt(_sq_error(points, alpha, beta) / len(points))
         fits[link] = {"alpha_seconds": alpha, "beta_seconds_per_byte": beta,
-                      "bandwidth_bytes_per_second": 1 / beta if beta else math.inf,
+                      "bandwidth_bytes_per_second": 1 / beta if beta else None,
                       "fitted_on": f"world 2, {len(points)} sizes", "rms_relative_error_fitted": rms}
         for world, m in worlds.items():
             unseen = {n: t for n, t in m["allreduce"].items() if world != 2 or n == GRADIENT_BYTES}
@@ -393,6 +393,15 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def fit_line(link: str, f: dict) -> str:
+    """One link's fitted alpha and beta. On a loaded box the sizes' times can be noise, and the non-negative fit
+    then puts everything on alpha: beta is 0 and there is no bandwidth to print (a CI run divided by it)."""
+    us, ns = f["alpha_seconds"] * 1e6, f["beta_seconds_per_byte"] * 1e9
+    bandwidth = f"{1e3 / ns:8,.0f} MB/s" if ns else "none measurable: latency alone fits"
+    return (f"  {link:16s} alpha {us:8.1f} us   beta {ns:7.3f} ns/B (= {bandwidth})   "
+            f"rms error on the fitted points {f['rms_relative_error_fitted']:.0%}")
+
+
 def summary(r: dict) -> str:
     """The readable version of scaling.json."""
     lines = [f"compute per step ({r['compute']['source']}):"]
@@ -404,10 +413,7 @@ def summary(r: dict) -> str:
         lines.append(f"  {s['link']:16s} world {s['world']} batch {s['batch']:>4}: compute {ms[0]:7.2f} ms, "
                      f"all-reduce {ms[1]:6.2f} ms -> {s['images_per_second']:8,.0f} images/s")
     lines.append("fitted ring all-reduce model, T = 2(p-1)·alpha + 2(p-1)/p·n·beta:")
-    for link, f in r["fits"].items():
-        us, ns = f["alpha_seconds"] * 1e6, f["beta_seconds_per_byte"] * 1e9
-        lines.append(f"  {link:16s} alpha {us:8.1f} us   beta {ns:7.3f} ns/B (= {1e3 / ns:8,.0f} MB/s)   "
-                     f"rms error on the fitted points {f['rms_relative_error_fitted']:.0%}")
+    lines += [fit_line(link, f) for link, f in r["fits"].items()]
     lines.append("held out (not fitted): predicted vs measured")
     for h in r["holdout"]:
         lines.append(f"  {h['link']:16s} world {h['world']} {h['bytes']:>9,} B {h['kind']:19s} measured "
