@@ -68,6 +68,19 @@ def marked_pids(mark: str) -> list[int]:
     return found
 
 
+def describe(pids: list[int]) -> str:
+    """Each process as /proc shows it (pid, state, parent, command line, the thread names): what a leak was."""
+    def one(pid: int) -> str:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            threads = sorted({Path(t, "comm").read_text().strip() for t in Path(f"/proc/{pid}/task").iterdir()})
+        except OSError:
+            return f"{pid} (gone)"
+        state, parent = _state_and_parent(pid) or ("?", 0)
+        return f"{pid} (state {state}, parent {parent}: {cmd[:200]}; threads {', '.join(threads)})"
+    return "; ".join(map(one, pids)) or "none"
+
+
 def children(pid: int) -> list[int]:
     """Direct, live children of `pid`."""
     return [p for p in _pids() if (info := _state_and_parent(p)) and info[1] == pid and info[0] != "Z"]
@@ -172,7 +185,10 @@ def reaped(mark: str, grace: float = 20) -> Iterator[None]:
     worker, not a grandchild); and kill any that are, whatever happened, so a failed test leaks nothing."""
     try:
         yield
-        wait_for("every process of the run to exit", lambda: not marked_pids(mark), grace, 0.2)
+        try:
+            wait_for("every process of the run to exit", lambda: not marked_pids(mark), grace, 0.2)
+        except pytest.fail.Exception:
+            pytest.fail(f"after {grace:.0f} s, processes of the run are still there: {describe(marked_pids(mark))}")
     finally:
         for pid in marked_pids(mark):
             with suppress(ProcessLookupError):

@@ -13,8 +13,10 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import threading
+import time
 
 # What every child needs before its first step: the package (torch with it) and torch._dynamo.
 PRELOAD = ["mnist_ddp.launch", "torch._dynamo"]
@@ -51,3 +53,62 @@ def adopt(environ: dict[str, str]) -> None:
     What torch read when the server imported it (OMP_NUM_THREADS, for one) stays the server's."""
     os.environ.clear()
     os.environ.update(environ)
+
+
+class Workers:
+    """The launcher's own hold on its workers, which are the fork server's children, not the launcher's.
+
+    multiprocessing learns that a worker ended from the server. A SIGTERM to the whole process group (`kill --
+    -PGID`, scancel, a container's stop) ends the server at once (it handles SIGINT, not SIGTERM), and from then
+    on multiprocessing reports every worker ended, exit code 255, while they are still unwinding: a launcher
+    that trusted it returned, and left them running. A pidfd per worker (Linux) sees the process itself, dead
+    or alive whoever its parent is now; elsewhere `kill(pid, 0)` asks the same by pid.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.handles: dict[int, int | None] = {}
+        for pid in pids:
+            try:
+                self.handles[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:  # already ended
+                pass
+            except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+                self.handles[pid] = None
+
+    def alive(self) -> list[int]:
+        """The workers that have not ended (a zombie has)."""
+        def running(pid: int, fd: int | None) -> bool:
+            if fd is not None:  # a pidfd reads as ready once its process ended (poll: fds past 1,024 are usual here)
+                ready = select.poll()
+                ready.register(fd, select.POLLIN)
+                return not ready.poll(0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        return [pid for pid, fd in self.handles.items() if running(pid, fd)]
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker still running (which unwinds it like Ctrl-C), SIGKILL any still there after
+        `grace` seconds (stuck in a C++ call, or stopped), and return only when every one has ended."""
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+            for pid in self.alive():
+                self._send(pid, sig)
+            deadline = None if wait is None else time.monotonic() + wait
+            while self.alive() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.05)
+        for fd in self.handles.values():
+            if fd is not None:
+                os.close(fd)
+        self.handles = {}  # nothing left to watch: a pid alone could be another process's by now
+
+    def _send(self, pid: int, sig: int) -> None:
+        fd = self.handles[pid]
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:  # it ended in between
+            pass

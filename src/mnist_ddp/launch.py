@@ -18,7 +18,6 @@ import os
 import secrets
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
@@ -219,19 +218,6 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
         sys.exit(130)
 
 
-def _stop(children: mp.ProcessContext) -> None:
-    """Ask every child still running to stop (SIGTERM unwinds it), and kill those that do not in time."""
-    for p in children.processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in children.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():  # stuck inside a C++ call that does not return to Python
-            p.kill()
-            p.join()
-
-
 def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCPStore | None") -> str:
     """Who the children that SIGABRT ended were waiting for, from the beats, read while the others still run;
     '' when the heartbeat is off, or names nobody (then the aborted rank is the cause).
@@ -275,6 +261,7 @@ def spawn(cfg: TrainConfig) -> int:
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ)),
                                       nprocs=cfg.gpus, join=False, start_method="forkserver")
+        workers = forkserver.Workers([p.pid for p in children.processes])
         try:
             aborted = ""  # who the ranks that SIGABRT ended were waiting for
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
@@ -304,10 +291,8 @@ def spawn(cfg: TrainConfig) -> int:
             if e.exit_code == 130 or e.signal_name:
                 raise KeyboardInterrupt from None
             raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None
-        except KeyboardInterrupt:
-            _stop(children)
-            raise
         finally:
+            workers.stop(GRACE_S)  # however it ends, no worker outlives this (after success: all have ended)
             del store  # closes node 0's listening port now, not whenever the exception is freed
     return 0
 
