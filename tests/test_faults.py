@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from conftest import metrics, progress, tiny
 from mnist_ddp import checkpoint
-from mnist_ddp.errors import UserError
 from procfs import (
     children,
     describe,
@@ -118,15 +117,6 @@ def _consistent(path: Path) -> int:
     return ckpt["i"]
 
 
-def _newest(path: Path) -> int:
-    """The counter of the newest whole checkpoint: `path`, or the previous one while a rotating save is
-    between its two renames (`path` is then missing for a moment)."""
-    try:
-        return _consistent(path)
-    except UserError:
-        return _consistent(checkpoint.previous(path))
-
-
 def _save_forever(path: Path, first: int, keep_previous: bool) -> None:
     """The writer, in a forked child: save, save, save… until it is killed."""
     try:
@@ -151,19 +141,57 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path
         writer = os.fork()  # milliseconds, where a fresh interpreter would take seconds
         if writer == 0:
             _save_forever(path, first, keep_previous)
-        wait_for("the writer's first save", lambda first=first: _newest(path) > first, HANG, 0.01)
+        wait_for("the writer's first save", lambda first=first: _consistent(path) > first, HANG, 0.01)
         time.sleep(rng.uniform(0, 0.1))  # a save takes tens of milliseconds: most kills land inside one
         os.kill(writer, signal.SIGKILL)
         os.waitpid(writer, 0)
-        now = _newest(path)  # loads, and is whole
+        now = _consistent(path)  # there, loads, and is whole
         assert now > first  # the newest complete save, or one before it: never garbage, never lost
-        if keep_previous and path.exists():
-            assert _consistent(checkpoint.previous(path)) < now
+        if keep_previous:
+            assert _consistent(checkpoint.previous(path)) <= now  # the same file while a save was rotating
         interrupted += bool(_temp_files(tmp_path))
     assert interrupted > 0, "no kill landed inside a save; the test proved nothing"
     checkpoint.save(path, _payload(-1))  # the next save clears what killed writers left behind
     assert _temp_files(tmp_path) == []
     assert _consistent(path) == -1
+
+
+def _save_until_interrupted(path: Path, first: int, ready: int) -> None:
+    """A writer, in a forked child, that handles SIGINT as a run does (KeyboardInterrupt), saving small
+    rotating checkpoints one after another until it comes."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    try:
+        torch.set_num_threads(1)
+        signal.signal(signal.SIGINT, interrupt)
+        os.write(ready, b"!")
+        i = first
+        while True:
+            i += 1
+            checkpoint.save(path, {"model": {"w": torch.full((4,), float(i))}, "i": i}, keep_previous=True)
+    finally:
+        os._exit(0)
+
+
+def test_ctrl_c_during_rotating_saves_never_loses_checkpoint_pt(tmp_path: Path) -> None:
+    """Ctrl-C (or the launcher's death, which a worker turns into one) while rank 0 saves: 200 writers, each
+    interrupted at a random moment; checkpoint.pt and checkpoint.prev.pt are there and load after every one.
+    (CI found a run's checkpoint.pt gone: renaming the old file aside and then the new one in left a moment
+    without it, and an interrupt there also removed the new one; about 1 round in 15 lost it.)"""
+    path, rng = tmp_path / "checkpoint.pt", random.Random(0)
+    for _ in range(2):
+        checkpoint.save(path, {"model": {"w": torch.zeros(4)}, "i": 0}, keep_previous=True)
+    for round_ in range(1, 201):
+        ready, said = os.pipe()
+        writer = os.fork()
+        if writer == 0:
+            _save_until_interrupted(path, round_ * 1_000_000, said)
+        os.read(ready, 1)
+        os.close(ready), os.close(said)
+        time.sleep(rng.uniform(0, 0.01))
+        os.kill(writer, signal.SIGINT)
+        os.waitpid(writer, 0)
+        assert checkpoint.load(path)["i"] >= checkpoint.load(checkpoint.previous(path))["i"]
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:

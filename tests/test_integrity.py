@@ -152,7 +152,7 @@ def test_resume_falls_back_to_the_previous_checkpoint(runs: Path, tmp_path: Path
     out = tmp_path / "run"
     shutil.copytree(runs / "A", out)
     ckpt = out / "checkpoint.pt"
-    if kind == "missing":  # killed between the two renames of a save
+    if kind == "missing":  # deleted, or killed mid-save on a file system without hard links
         ckpt.unlink()
     else:
         ckpt.write_bytes(bad := _damaged(kind, runs))

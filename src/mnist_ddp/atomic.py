@@ -19,10 +19,10 @@ from .errors import WriteFailed
 def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = None) -> None:
     """Replace `path` by what `fill` writes into the file it is given (one writer per file: rank 0).
 
-    `keep`: the old `path`, if any, is renamed to `keep` first, once the new bytes are on disk. Between the
-    two renames there is no `path` for a moment, never a partial one; readers fall back to `keep` then."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+    `keep`: the old `path`, if any, becomes `keep` once the new bytes are on disk. `path` is there throughout,
+    old or new: a writer killed or interrupted (Ctrl-C) between the steps leaves it whole, and `keep` too."""
+    tmp = _temp(path)
+    for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *(path.parent.glob(f".{keep.name}.tmp-*") if keep else [])]:
         stale.unlink(missing_ok=True)
     try:
         try:
@@ -31,7 +31,7 @@ def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = No
                 f.flush()
                 os.fsync(f.fileno())
             if keep is not None and path.exists():
-                os.replace(path, keep)
+                _keep(path, keep)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -47,6 +47,29 @@ def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = No
         fix = "free some space" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
         raise WriteFailed(f"{(cause.strerror or str(cause)).lower()} writing {path}; the previous checkpoint is "
                           f"intact: {fix}, then run again with --resume to continue from it.") from e
+
+
+def _temp(path: Path) -> Path:
+    """This process's temp file beside `path` (hidden; the next write of `path` removes a dead writer's)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _keep(path: Path, keep: Path) -> None:
+    """Make `keep` a second name of `path`'s file (a hard link, renamed over the old `keep`), so that `path`
+    itself is never missing: renaming `path` to `keep` left no `path` until the new one was renamed in, and
+    a Ctrl-C between the two renames left none at all. Where the file system has no hard links, that rename."""
+    linked = _temp(keep)
+    try:
+        os.link(path, linked)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        os.replace(path, keep)
+        return
+    try:
+        os.replace(linked, keep)
+    finally:
+        linked.unlink(missing_ok=True)
 
 
 def _os_error(e: BaseException | None) -> OSError | None:

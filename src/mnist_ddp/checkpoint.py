@@ -248,7 +248,7 @@ def load_latest(path: Path, check: Callable[[Path, dict[str, Any]], None], say: 
         say(f"resume: {str(refused[0]).rstrip('.')}; falling back to {found}, the checkpoint saved before it "
             f"(the refused file is kept as {aside})")
     elif found != path:
-        say(f"resume: {path} is missing (a save was interrupted between its two renames); resuming from {found}")
+        say(f"resume: {path} is missing; resuming from {found}, the checkpoint saved before it")
     return found, ckpt
 
 
