@@ -6,6 +6,7 @@ process of the run is gone), never a broken checkpoint.
 Independent runs of one test go concurrently, to keep the wall time down on a small box.
 """
 
+import errno
 import os
 import random
 import re
@@ -192,6 +193,19 @@ def test_ctrl_c_during_rotating_saves_never_loses_checkpoint_pt(tmp_path: Path) 
         os.kill(writer, signal.SIGINT)
         os.waitpid(writer, 0)
         assert checkpoint.load(path)["i"] >= checkpoint.load(checkpoint.previous(path))["i"]
+
+
+def test_rotating_save_without_hard_links_still_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:
+    """Where the file system refuses hard links (some FUSE and SMB mounts: EPERM), the old file is renamed aside."""
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(path, _payload(1))
+
+    def refused(src: Path, dst: Path) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", refused)
+    checkpoint.save(path, _payload(2), keep_previous=True)
+    assert (_consistent(path), _consistent(checkpoint.previous(path))) == (2, 1)
+    assert _temp_files(tmp_path) == []
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -60,13 +60,13 @@ def _keep(path: Path, keep: Path) -> None:
     a Ctrl-C between the two renames left none at all. Where the file system has no hard links, that rename."""
     linked = _temp(keep)
     try:
-        os.link(path, linked)
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
-            raise
-        os.replace(path, keep)
-        return
-    try:
+        try:
+            os.link(path, linked)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise
+            os.replace(path, keep)
+            return
         os.replace(linked, keep)
     finally:
         linked.unlink(missing_ok=True)
