@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import datasets
+from . import datasets, distributed
 from .config import DataConfig
 from .datasets import Split
 from .model import ConvNet
@@ -74,11 +74,14 @@ def worker(local_rank: int, spec: Spec, world_size: int) -> None:
         store = dist.TCPStore("127.0.0.1", spec.master_port, world_size, is_master=False)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=local_rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
+    finished = False
     try:
         _train(local_rank, spec, world_size, device)
+        finished = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Not the tutorial's (it never leaves the group): ours, so that the baseline's gloo threads do not
+        # abort a rank at exit now and then (CI: "terminate called without an active exception", SIGABRT).
+        distributed.teardown(together=finished)
 
 
 def _train(rank: int, spec: Spec, world_size: int, device: torch.device) -> None:
