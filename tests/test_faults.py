@@ -107,25 +107,32 @@ def test_torchrun_restart_resumes_from_checkpoint_and_matches_undisturbed_run(tm
 
 # --- checkpoints survive a crash in the middle of writing them ------------------------------------------
 
-def _payload(i: int) -> dict:
-    return {"model": {"w": torch.full((2_000_000,), float(i))}, "i": i}  # 8 MB: each save takes a while
+BIG = 2_000_000  # floats: 8 MB, each save takes a while
 
 
-def _consistent(path: Path) -> int:
+def _payload(i: int, size: int = BIG) -> dict:
+    return {"model": {"w": torch.full((size,), float(i))}, "i": i}
+
+
+def _consistent(path: Path, size: int = BIG) -> int:
     """The checkpoint's counter, after checking that every byte of it belongs to that one save."""
     ckpt = checkpoint.load(path)
-    assert torch.equal(ckpt["model"]["w"], torch.full((2_000_000,), float(ckpt["i"])))
+    assert torch.equal(ckpt["model"]["w"], torch.full((size,), float(ckpt["i"])))
     return ckpt["i"]
 
 
-def _save_forever(path: Path, first: int, keep_previous: bool) -> None:
-    """The writer, in a forked child: save, save, save… until it is killed."""
+def _save_forever(path: Path, first: int, keep_previous: bool, size: int = BIG, ready: int | None = None) -> None:
+    """The writer, in a forked child: save, save, save… until it is killed, or interrupted (SIGINT is a
+    KeyboardInterrupt, as in a run). `ready`: a pipe it writes one byte to once it handles SIGINT so."""
     try:
         torch.set_num_threads(1)  # the parent's OpenMP threads did not survive the fork; run without them
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if ready is not None:
+            os.write(ready, b"!")
         i = first
         while True:
             i += 1
-            checkpoint.save(path, _payload(i), keep_previous=keep_previous)
+            checkpoint.save(path, _payload(i, size), keep_previous=keep_previous)
     finally:
         os._exit(1)
 
@@ -157,23 +164,6 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path
     assert _consistent(path) == -1
 
 
-def _save_until_interrupted(path: Path, first: int, ready: int) -> None:
-    """A writer, in a forked child, that handles SIGINT as a run does (KeyboardInterrupt), saving small
-    rotating checkpoints one after another until it comes."""
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-    try:
-        torch.set_num_threads(1)
-        signal.signal(signal.SIGINT, interrupt)
-        os.write(ready, b"!")
-        i = first
-        while True:
-            i += 1
-            checkpoint.save(path, {"model": {"w": torch.full((4,), float(i))}, "i": i}, keep_previous=True)
-    finally:
-        os._exit(0)
-
-
 def test_ctrl_c_during_rotating_saves_never_loses_checkpoint_pt(tmp_path: Path) -> None:
     """Ctrl-C (or the launcher's death, which a worker turns into one) while rank 0 saves: 200 writers, each
     interrupted at a random moment; checkpoint.pt and checkpoint.prev.pt are there and load after every one.
@@ -181,18 +171,18 @@ def test_ctrl_c_during_rotating_saves_never_loses_checkpoint_pt(tmp_path: Path) 
     without it, and an interrupt there also removed the new one; about 1 round in 15 lost it.)"""
     path, rng = tmp_path / "checkpoint.pt", random.Random(0)
     for _ in range(2):
-        checkpoint.save(path, {"model": {"w": torch.zeros(4)}, "i": 0}, keep_previous=True)
+        checkpoint.save(path, _payload(0, size=4), keep_previous=True)
     for round_ in range(1, 201):
         ready, said = os.pipe()
         writer = os.fork()
         if writer == 0:
-            _save_until_interrupted(path, round_ * 1_000_000, said)
+            _save_forever(path, round_ * 1_000_000, keep_previous=True, size=4, ready=said)
         os.read(ready, 1)
         os.close(ready), os.close(said)
         time.sleep(rng.uniform(0, 0.01))
         os.kill(writer, signal.SIGINT)
         os.waitpid(writer, 0)
-        assert checkpoint.load(path)["i"] >= checkpoint.load(checkpoint.previous(path))["i"]
+        assert _consistent(path, size=4) >= _consistent(checkpoint.previous(path), size=4)
 
 
 def test_rotating_save_without_hard_links_still_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:

@@ -22,8 +22,9 @@ def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = No
     `keep`: the old `path`, if any, becomes `keep` once the new bytes are on disk. `path` is there throughout,
     old or new: a writer killed or interrupted (Ctrl-C) between the steps leaves it whole, and `keep` too."""
     tmp = _temp(path)
-    for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *(path.parent.glob(f".{keep.name}.tmp-*") if keep else [])]:
-        stale.unlink(missing_ok=True)
+    for target in (path, keep) if keep else (path,):  # temp files (`_temp`) that dead writers left
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            stale.unlink(missing_ok=True)
     try:
         try:
             with open(tmp, "wb") as f:
