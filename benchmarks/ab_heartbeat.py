@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, results: "
             dist.barrier()
             start = time.perf_counter()
             for step, (x, y) in enumerate(batches, 1):
-                here.at("training", rnd + 1, step)
+                here.set_phase("training", rnd + 1, step)
                 with autocast(device, amp):
                     loss = F.cross_entropy(net(x), y)
                 opt.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ collective passes every CPU test and fails on the first GPU. The rule, checked w
    - a tensor factory call (torch.tensor, torch.zeros, …) with `device=` a `….device` or `device`;
    - the model's own tensors: `.parameters()`, `.buffers()`, `running_stats(…)` (the model was moved to
      d.device when it was built: Trainer), and a DDP gradient bucket's `.buffer()` (DDP keeps it there);
+   - the loss of the model's output: `F.cross_entropy(…)` (where the model and its batch are);
    - an operation on such tensors: torch.stack/cat of them, a method of one (`.float()`, `.sum()`, …; not
      `.cpu()`, `.numpy()`, `.tolist()`, `.item()`, and `.to(…)` only to a `….device`), arithmetic with them,
      an element of one, either branch of a conditional;
@@ -42,7 +43,7 @@ HOMES = {
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", "randn", "rand", "randint", "randperm",
              "linspace", "eye", "frombuffer", "from_numpy", "zeros_like", "ones_like", "empty_like", "full_like"}
 OFF_DEVICE = {"cpu", "numpy", "tolist", "item"}
-MODEL_STATE = {"parameters", "buffers", "running_stats", "buffer"}
+MODEL_STATE = {"parameters", "buffers", "running_stats", "buffer", "cross_entropy"}
 ROWS_LIKE = {"gather": 2, "all_parts": 2}  # reduction.py's functions -> the argument their tensors are made like
 HOW = ("make it on the rank's device (device=d.device, or from the model's tensors); a collective of its own goes "
        "into a Dist method in distributed.py, added to tests/collectives.py's HOMES with the reason its tensors are "

@@ -1,6 +1,6 @@
 """One run, any world size: the step's gradient is the same for every way of sharing the run's global batch.
 
-Real gloo ranks run the real pieces (`StepBatches`, `trainer.wrap`, `steps.accumulate`, `PartStats`, the
+Real gloo ranks run the real pieces (`StepBatches`, `ddp.wrap`, `steps.accumulate`, `PartStats`, the
 reductions) for the first and the last (shorter) step of an epoch and save the reduced gradient, once with
 each reduction: DDP's own (no comm hook), ours of DDP's mean, and --bitwise's slot order. The run's global
 batch is M = 4 micro-batches; worlds 1, 2, 4 (accumulating 4, 2, 1 each) and 3 (sharing 4 unevenly) must
@@ -20,9 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
-from mnist_ddp import checkpoint, reduction, trainer
+from mnist_ddp import checkpoint, ddp, reduction
 from mnist_ddp.batches import Share, StepBatches, epoch_order, model_input, padded
-from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
 from mnist_ddp.steps import PartStats, accumulate
@@ -55,7 +54,7 @@ class _Buckets:
         pass
 
 
-# DDP without a comm hook; our hook of DDP's mean; --bitwise's slot order, in one bucket (as trainer.wrap makes
+# DDP without a comm hook; our hook of DDP's mean; --bitwise's slot order, in one bucket (as ddp.wrap makes
 # it: 116 kB) and in several (DDP rebuilds its buckets after the first backward: the last step has 3)
 MODES = ("ddp", "mean", "bitwise", "bitwise, buckets of 50 kB")
 
@@ -75,21 +74,20 @@ def _rank(d: Dist, out: str, slots: int) -> None:
         if mode in ("ddp", "bitwise, buckets of 50 kB") and d.world_size > 1:
             # (a static graph would rebuild its buckets only after the second backward)
             net = DDP(model, gradient_as_bucket_view=True, static_graph=not (accumulating or bitwise),
-                      bucket_cap_mb=0.05 if bitwise else 1, **trainer._NO_BUFFER_SYNC_PER_STEP)
+                      bucket_cap_mb=0.05 if bitwise else 1, **ddp.NO_BUFFER_SYNC)
             if bitwise:
                 net.register_comm_hook(reduce, reduction.comm_hook)
         else:
-            net = trainer.wrap(model, TrainConfig(), d, accumulating=accumulating, reduce=reduce)
+            net = ddp.wrap(model, d, accumulating=accumulating, hook=reduce)
         buckets = reduce.observer = _Buckets()
         images, labels = _data()
         batches = StepBatches(images, labels, BATCH, share, rank=d.rank, device=CPU, seed=0, channels_last=True)
         stats = PartStats(model, share, d.rank)
-        scaler = trainer.guard(CPU, "off")
         steps = list(batches)
         for name, step in (("first", steps[0]), ("last", steps[-1])):  # no optimizer step: both from the same weights
             before = buckets.handed_over_count
             model.zero_grad(set_to_none=True)
-            accumulate(net, step, stats, reduce, scaler, "off", 0.0)
+            accumulate(net, step, stats, reduce)
             saved[f"{mode} {name}"] = _grads(model)
             saved[f"{mode} {name} buckets"] = buckets.handed_over_count - before
         saved["micro_batches"] = len(steps[0].micro_batches)

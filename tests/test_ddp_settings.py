@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from conftest import cli_env, spawn_gloo
-from mnist_ddp import trainer
+from mnist_ddp import ddp
 from mnist_ddp.batches import Share
-from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
 from mnist_ddp.steps import PartStats
@@ -23,7 +22,7 @@ WORLD = 2
 def _rank(d: Dist, out: str) -> None:
     torch.manual_seed(0)
     model = ConvNet()
-    net = trainer.wrap(model, TrainConfig(), d)
+    net = ddp.wrap(model, d)
     for step in range(3):  # each rank its own data, so its own BatchNorm statistics
         net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * d.rank + step))).sum().backward()
     before = {k: v.clone() for k, v in model.named_buffers()}

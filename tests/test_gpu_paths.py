@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, compute, datasets, distributed, forkserver, trainer
+from mnist_ddp import cli, compute, datasets, ddp, distributed, divergence, forkserver, trainer
 from mnist_ddp.batches import Share
 from mnist_ddp.config import DataConfig, TrainConfig
 from mnist_ddp.distributed import Dist
@@ -220,35 +220,29 @@ def test_sync_bn_needs_equal_shares(share: Share, sync_bn: bool, refused: bool) 
     if refused:
         with pytest.raises(UserError, match=r"--sync-bn needs every process to run the same number of micro-batches "
                                             r"per step, but 3 processes share this run's 4 unevenly \(1 or 2 each\)"):
-            trainer.check_sync_bn(sync_bn, share)
+            ddp.check_sync_bn(sync_bn, share)
     else:
-        trainer.check_sync_bn(sync_bn, share)
+        ddp.check_sync_bn(sync_bn, share)
 
 
 def test_sync_bn_is_checked_where_a_resume_deals_the_micro_batches(tmp_path: Path) -> None:
-    """The seam a resume at another world goes through (Trainer._share), before any training step, on any device
+    """The seam a resume at another world goes through (Trainer._deal), before any training step, on any device
     (the CLI refuses --sync-bn on the CPU earlier, so the seam is tested directly)."""
     data = datasets.load(DataConfig("synthetic", data_dir=tmp_path, train_samples=400, test_samples=100))
     d = Dist(rank=0, local_rank=0, world_size=3, local_world_size=3, device=torch.device("cpu"))  # no group needed
     run = trainer.Trainer(TrainConfig(sync_bn=True, out=str(tmp_path / "o")), d, data,
                           Reporter(tmp_path / "o", False, False, False, False))
-    run._share(Share(slots=6, world=3))  # even
+    run._deal(Share(slots=6, world=3))  # even
     with pytest.raises(UserError, match="--sync-bn needs every process"):
-        run._share(Share(slots=4, world=3))
+        run._deal(Share(slots=4, world=3))
 
 
-def test_mps_guard_and_check_cadence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MPS has no fused optimizers: the scaler's step reads found_inf every step anyway, so the verdict is read
-    every step there too; only a GPU with fused steps saves by reading it every 50. GradScaler("mps") before
-    torch 2.10 is a disabled one (its scale reads 1)."""
-    cpu, mps, cuda = torch.device("cpu"), torch.device("mps"), torch.device("cuda", 0)
-    assert (trainer.check_every(cpu), trainer.check_every(mps), trainer.check_every(cuda)) == \
-        (1, 1, trainer.CHECK_EVERY_ON_ACCELERATORS)
-    assert trainer.guard(mps, "off").is_enabled()  # this torch (2.13)
-    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
-    old = trainer.guard(mps, "off")
-    assert not old.is_enabled() and old.get_scale() == 1.0
-    assert trainer.guard(cpu, "off").is_enabled()  # the control: only MPS is affected
+def test_the_guard_scales_only_fp16() -> None:
+    """A GradScaler only where fp16 needs one: every other precision's step is the textbook's, and the
+    divergence guard reads the fold's all-reduced count of non-finite numbers instead."""
+    cuda = torch.device("cuda", 0)
+    assert divergence.grad_scaler(cuda, "fp16") is not None
+    assert divergence.grad_scaler(cuda, "bf16") is None and divergence.grad_scaler(torch.device("cpu"), "off") is None
 
 
 # --- what the reading found right, kept right -----------------------------------------------------------------
@@ -332,12 +326,11 @@ def test_a_collective_outside_dist_is_found() -> None:
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
-def test_the_step_loop_reads_from_the_device_only_at_its_check_points(monkeypatch: pytest.MonkeyPatch,
-                                                                       tmp_path: Path) -> None:
+def test_the_step_loop_reads_from_the_device_only_at_its_folds(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
     """A read of a tensor's value on the host (.item(), float(t), …) waits for the GPU's queued work. A real run
-    in this process, its verdict read every 4th step: every read between two steps' starts is recorded. Only
-    the 4th, 8th and 12th steps may read (the verdict), and the folds (a loss sum per epoch) must: the control
-    that the recorder sees reads at all."""
+    in this process: every read between two steps' starts is recorded. No training step may read, and the folds
+    (a loss sum per epoch, the divergence verdict) must: the control that the recorder sees reads at all."""
     events: list[str] = []
     for name in READS:
         original = getattr(torch.Tensor, name)
@@ -346,10 +339,9 @@ def test_the_step_loop_reads_from_the_device_only_at_its_check_points(monkeypatc
             events.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, recorded)
-    monkeypatch.setattr(Dist, "at", lambda self, phase, epoch=0, step=0: events.append(f"@{phase}:{step}"))
+    monkeypatch.setattr(Dist, "set_phase", lambda self, phase, epoch=0, step=0: events.append(f"@{phase}:{step}"))
     fold = trainer.Trainer._fold
     monkeypatch.setattr(trainer.Trainer, "_fold", lambda self, *a: (events.append("@fold"), fold(self, *a))[1])
-    monkeypatch.setattr(trainer, "check_every", lambda device: 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cli.main(["train", *tiny(1200, 100), "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     reads: dict[str, int] = {}
@@ -360,7 +352,7 @@ def test_the_step_loop_reads_from_the_device_only_at_its_check_points(monkeypatc
         elif where.startswith(("training:", "fold")):
             reads[where] = reads.get(where, 0) + 1
     steps = sorted(int(w.split(":")[1]) for w in reads if w.startswith("training:"))
-    assert steps == [4, 8, 12] and reads.get("fold"), reads
+    assert steps == [] and reads.get("fold"), reads
 
 
 def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -> None:

@@ -86,8 +86,8 @@ def test_rank_doing_something_else_is_named_when_none_is_silent(store: dist.TCPS
                                                                 readings: list[Heartbeat]) -> None:
     ranks = _ranks(store, 3, 3, readings)
     for beat in ranks:
-        beat.at("training", 2, 14)
-    ranks[1].at("saving checkpoint.pt")
+        beat.set_phase("training", 2, 14)
+    ranks[1].set_phase("saving checkpoint.pt")
     said = ranks[0].diagnose()
     assert said.startswith("every rank still answers, but rank 1 (") and "was still saving checkpoint.pt while " \
         "the others were training (epoch 2, step 14)" in said, said
@@ -177,7 +177,7 @@ from mnist_ddp.heartbeat import Heartbeat
 port, rank, world, how = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
 beat = Heartbeat(store, rank, world, 3600, store_host=None)
-beat.at("training", 1, 3)
+beat.set_phase("training", 1, 3)
 said = lambda: json.loads(store.get(str(rank))).get("doing") if store.check([str(rank)]) else None
 while said() != "training (epoch 1, step 3)":  # published
     time.sleep(0.01)

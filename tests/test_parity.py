@@ -2,7 +2,7 @@
 
 Each rank's BatchNorm normalises its own half-batch, so the single-process reference runs
 the two halves as separate forward passes and averages their gradients, which is what DDP's
-all-reduce computes. Built from the real pieces: ConvNet, `trainer.wrap` (our DDP settings),
+all-reduce computes. Built from the real pieces: ConvNet, `ddp.wrap` (our DDP settings),
 `shard_indices` and `trainer.build_optimizer`.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import spawn_gloo
 from datafiles import one_thread
-from mnist_ddp import trainer
+from mnist_ddp import ddp, trainer
 from mnist_ddp.batches import shard_indices
 from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
@@ -54,7 +54,7 @@ def _rank(d: Dist, out: str) -> None:
         torch.manual_seed(d.rank)  # different initial weights per rank: DDP must broadcast rank 0's
         model = ConvNet()
         cfg = _config(optimizer)
-        net = trainer.wrap(model, cfg, d)
+        net = ddp.wrap(model, d)
         assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
         opt, schedule = trainer.build_optimizer(cfg.recipe, model)
         x, y = _data()

@@ -138,9 +138,9 @@ def _format_1(ckpt: dict) -> dict:
 
 
 def _before_the_global_batch(ckpt: dict) -> dict:
-    """Format 1 as it was before a run's global batch was recorded (git 83d3b17^): no micro_batches and no run id,
+    """Format 1 as it was before a run's global batch was recorded (git 83d3b17^): no slots and no run id,
     the position in the epoch as per-rank optimizer steps (`step`) rather than samples, and a scheduler entry."""
-    old = {k: v for k, v in _format_1(ckpt).items() if k not in ("micro_batches", "run_id")}
+    old = {k: v for k, v in _format_1(ckpt).items() if k not in ("slots", "run_id")}
     per_step = ckpt["config"]["batch_size"] * ckpt["config"]["world_size"]
     progress = {k: v for k, v in ckpt["progress"].items() if k != "consumed"}
     return {**old, "progress": {**progress, "step": ckpt["progress"]["consumed"] // per_step}, "scheduler": None}
@@ -154,7 +154,7 @@ def _old_run(killed_mid_epoch: Path, out: Path, old: str) -> Path:
     (a current one, which --resume would fall back to if the old one were refused)."""
     shutil.copytree(killed_mid_epoch, out)
     ckpt = checkpoint.load(out / "checkpoint.pt")
-    assert ckpt["format"] == checkpoint.FORMAT and "micro_batches" in ckpt
+    assert ckpt["format"] == checkpoint.FORMAT and "slots" in ckpt
     torch.save(OLD[old](ckpt), out / "checkpoint.pt")
     (out / "checkpoint.prev.pt").unlink()
     return out / "checkpoint.pt"

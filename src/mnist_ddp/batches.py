@@ -62,7 +62,8 @@ def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, ep
 
 
 class ShardedBatches:
-    """Iterate (images, labels) batches of one rank's shard, normalised on the device (evaluation's batches)."""
+    """One rank's shard of a split, DistributedSampler's rule, in batches normalised on the device: what each
+    rank trains on in the textbook case (one whole micro-batch per rank), and what it evaluates."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int, world: int,
                  device: torch.device, shuffle: bool, seed: int = 0, pad: bool = True, normalize: bool = True,
@@ -70,22 +71,31 @@ class ShardedBatches:
         self.data = DeviceData(images, labels, device, normalize, channels_last)
         self.batch_size, self.rank, self.world = batch_size, rank, world
         self.shuffle, self.seed, self.pad = shuffle, seed, pad
-        self.epoch = 0
+        self.epoch, self.first = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for `epoch`."""
-        self.epoch = epoch
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(shard_size(len(self.data.labels), self.rank, self.world, pad=self.pad) / self.batch_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Reshuffle for `epoch` (the call the tutorial forgot: without it every epoch repeats the first's
+        order), leaving out the first `start` samples of the epoch (all ranks'), trained on before a resume."""
+        self.epoch, self.first = epoch, start // self.global_batch
 
     def indices(self) -> torch.Tensor:
         return shard_indices(len(self.data.labels), self.rank, self.world, shuffle=self.shuffle,
                              seed=self.seed, epoch=self.epoch, pad=self.pad)
 
     def __len__(self) -> int:
-        return math.ceil(shard_size(len(self.data.labels), self.rank, self.world, pad=self.pad) / self.batch_size)
+        return self.steps_per_epoch - self.first
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.data.to_device(self.indices())
-        for lo in range(0, len(order), self.batch_size):
+        for lo in range(self.first * self.batch_size, len(order), self.batch_size):
             yield self.data.batch(order[lo : lo + self.batch_size])
 
 
@@ -103,7 +113,7 @@ class Share:
         (unless the slots are kept whole)."""
         return self.slots if self.whole else max(self.slots, self.world)
 
-    def mine(self, rank: int) -> range:
+    def parts_of(self, rank: int) -> range:
         """The parts `rank` trains: every world-th from `rank`, DistributedSampler's rule applied to the parts."""
         return range(rank, self.parts, self.world)
 
@@ -191,7 +201,7 @@ class StepBatches:
     def __iter__(self) -> Iterator[Step]:
         order = epoch_order(len(self.data.labels), shuffle=True, seed=self.seed, epoch=self.epoch)
         slots = self.data.to_device(padded(order, self.share.slots).view(-1, self.share.slots))  # column j: slot j
-        mine = self.share.mine(self.rank)
+        mine = self.share.parts_of(self.rank)
         for s in range(self.first, self.steps_per_epoch):
             rows = slots[s * self.batch_size : (s + 1) * self.batch_size]
             parts = rows.T.reshape(-1).tensor_split(self.share.parts)  # in slot order; W ≤ M: the slots themselves

@@ -185,6 +185,24 @@ class TrainConfig:
         return out
 
 
+# The settings that define a run: resuming with any of them changed would not continue the same run. The world
+# size may change (the run's global batch is in its checkpoint: batches.Share).
+RESUME_MUST_MATCH = ("recipe", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
+                     "scheduler", "normalize", "label_smoothing", "seed", "bitwise")
+# A --bitwise run promises the same bits through any resume, so the kernels may not change either.
+BITWISE_MUST_MATCH = ("amp", "channels_last", "compile", "deterministic")
+
+
+def run_settings(cfg: TrainConfig, world_size: int) -> dict[str, str]:
+    """What every rank of one job must agree on, proven at check-in (membership.py): the settings that define
+    the run, its data, --accumulate and the world."""
+    flat = cfg.to_dict()
+    agreed = {k: flat[k] for k in RESUME_MUST_MATCH} | {
+        "dataset": cfg.data.dataset, "train_samples": cfg.data.train_samples, "test_samples": cfg.data.test_samples,
+        "accumulate": cfg.accumulate, "world_size": world_size}
+    return {k: str(v) for k, v in agreed.items()}
+
+
 SECRET_VAR = "MNIST_DDP_SECRET"
 
 

@@ -112,10 +112,10 @@ class Dist:
     run_id: str = ""  # torchrun's job id (TORCHELASTIC_RUN_ID), recorded in checkpoints
     heartbeat: Heartbeat | None = None  # None: one process, or --heartbeat 0
 
-    def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
+    def set_phase(self, phase: str, epoch: int = 0, step: int = 0) -> None:
         """Say what this rank is doing, for a peer's timeout message to name (heartbeat.py); no I/O."""
         if self.heartbeat is not None:
-            self.heartbeat.at(phase, epoch, step)
+            self.heartbeat.set_phase(phase, epoch, step)
 
     @property
     def is_main(self) -> bool:
@@ -274,7 +274,7 @@ def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
                                 **({"device_id": device_id} if device_id is not None else {}))
         if beat:
-            beat.at("setting up (data, model, checkpoint)")
+            beat.set_phase("setting up (data, model, checkpoint)")
         return beat
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
         others = ident.world_size - 1

@@ -30,7 +30,7 @@ class EvalResult:
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: ShardedBatches, d: Dist, amp: str = "off") -> EvalResult:
     """Loss, accuracy and confusion matrix of `model` (a plain module, not the DDP wrapper)."""
-    d.at("evaluating")
+    d.set_phase("evaluating")
     was_training = model.training
     model.eval()
     # The loss sum, then the 100 confusion counts: one tensor, so one all-reduce carries them all.

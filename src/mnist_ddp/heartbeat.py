@@ -124,7 +124,7 @@ class Heartbeat:
             _bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
                      BEAT_WAIT_S)
 
-    def at(self, phase: str, epoch: int = 0, step: int = 0) -> None:
+    def set_phase(self, phase: str, epoch: int = 0, step: int = 0) -> None:
         """What this rank does now: a new phase is published at once (by the thread), a new step with the next
         beat, so the loop never waits for the store and its steps cost no I/O."""
         self.doing = f"{phase} (epoch {epoch}, step {step})" if epoch else phase

@@ -44,7 +44,7 @@ from . import (
     tb,
     trainer,
 )
-from .config import TrainConfig
+from .config import TrainConfig, run_settings
 from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .identity import Identity
@@ -89,7 +89,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
         settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining and any kernel
         if settings and ident.rank == 0:
             print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
-        creds = Credentials(cfg.secret or b"", trainer.run_settings(cfg, ident.world_size))
+        creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
         d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
         if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
             # Not an error: the tutorial's flags, typed as they are, must keep working.

@@ -101,7 +101,7 @@ class SlotReduction(Reduction):
 
     def __init__(self, model: nn.Module, share: Share, rank: int) -> None:
         self.params, self.share = list(model.parameters()), share
-        self.trains = len(share.mine(rank)) > 0  # an idle rank (more ranks than slots) adds no slot of its own
+        self.trains = len(share.parts_of(rank)) > 0  # an idle rank (more ranks than slots) adds no slot of its own
         self.kept: dict[nn.Parameter, list[torch.Tensor]] = {}  # this step's earlier slots, per parameter
 
     def loss_weight(self, samples: int) -> float:
@@ -151,7 +151,7 @@ def padded_rows(rows: Sequence[torch.Tensor], share: Share, like: torch.Tensor) 
 
 def in_part_order(gathered: torch.Tensor, share: Share) -> list[torch.Tensor]:
     """The gathered rows (rank by rank, each `per_rank` of them) as parts 0…parts−1: rank r's i-th row is part
-    r + i·world (`Share.mine`)."""
+    r + i·world (`Share.parts_of`)."""
     rows, w = per_rank(share), share.world
     return [gathered[(j % w) * rows + j // w] for j in range(share.parts)]
 

@@ -1,0 +1,46 @@
+"""The DDP wrap: one line in the textbook, plus the few settings that suit this small model."""
+
+import inspect
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import reduction
+from .batches import Share
+from .distributed import Dist
+from .errors import UserError
+
+# Each rank keeps its own BatchNorm statistics (averaged before use: steps.PartStats) instead of DDP re-sending
+# rank 0's before every forward, a collective as slow as the gradient all-reduce at this size. torch 2.13
+# renamed the switch; `broadcast_buffers` is its older name.
+_NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
+NO_BUFFER_SYNC = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
+
+
+def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = False, accumulating: bool = False,
+         hook: reduction.Reduction | None = None) -> nn.Module:
+    """`model` under DDP when there are several ranks: DDP broadcasts rank 0's weights now, and all-reduces the
+    gradients (their mean) during every backward. `hook` replaces DDP's all-reduce (--bitwise, --profile);
+    `accumulating`: some rank runs several micro-batches per step under `no_sync`."""
+    if d.world_size > 1:
+        if sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # One bucket for the 29k parameters, no gradient copies, and no per-step bookkeeping for a graph that
+        # never changes (not with no_sync: docs/design/ddp-settings.md).
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True, static_graph=not accumulating, bucket_cap_mb=1, **NO_BUFFER_SYNC)
+        if hook is not None:
+            model.register_comm_hook(hook, reduction.comm_hook)
+    return torch.compile(model) if compile else model
+
+
+def check_sync_bn(sync_bn: bool, share: Share) -> None:
+    """Refuse --sync-bn where ranks train different numbers of micro-batches per step: their SyncBatchNorm
+    collectives would not pair, and every rank would wait until --timeout."""
+    counts = {len(share.parts_of(rank)) for rank in range(share.world)}
+    if sync_bn and share.world > 1 and len(counts) > 1:
+        raise UserError(f"--sync-bn needs every process to run the same number of micro-batches per step, but "
+                        f"{share.world} processes share this run's {share.slots} unevenly ({min(counts)} or "
+                        f"{max(counts)} each); resume with a world size that divides {share.slots}, or without "
+                        f"--sync-bn.")

@@ -1,0 +1,51 @@
+"""The run's sentences: what is about to run, how a resume at another world shares it, and the last word."""
+
+import platform
+
+import torch
+
+from .batches import Share
+from .config import TrainConfig
+from .distributed import Dist
+from .evaluation import EvalResult
+from .state import Progress
+
+
+def run_line(cfg: TrainConfig, d: Dist, share: Share, amp: str, channels_last: bool) -> str:
+    """The software, the world, and the run's global batch and how this world shares it."""
+    r, bitwise = cfg.recipe, cfg.bitwise
+    how = share.describe(r.batch_size)
+    pinned = " (pinned by --bitwise: the kernels' sums depend on it)" if bitwise and d.device.type == "cpu" else ""
+    reduced = "bitwise: every micro-batch's gradient summed in slot order" if bitwise else "averaged by all-reduce"
+    return (f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
+            f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process{pinned}, "
+            f"global batch {share.slots * r.batch_size} ({share.slots} micro-batches of {r.batch_size}"
+            f"{'; ' + how if how else ''}), gradients {reduced}, {r.optimizer} lr {r.lr}, {r.scheduler} "
+            f"schedule, amp {amp}, channels_last {channels_last}")
+
+
+def world_change(was: int, share: Share, cfg: TrainConfig) -> str:
+    """A resume's line when this world shares the run's global batch otherwise than its first start did."""
+    if was == share.world and share.slots == share.world * cfg.accumulate:
+        return ""
+    batch = cfg.recipe.batch_size
+    how = share.describe(batch)
+    return (f"resume: world size {was} → {share.world}; the run's global batch stays {share.slots * batch} "
+            f"({share.slots} micro-batches of {batch}), and so do its steps and the lr at each"
+            + (f": {how}" if how else ""))
+
+
+def final_line(cfg: TrainConfig, d: Dist, progress: Progress, outcome: str | None, result: EvalResult) -> str:
+    """The accuracy, and how the run ended against --target-accuracy if one was set."""
+    r, target, done = cfg.recipe, f"{cfg.target_accuracy or 0:.2%}", progress.epoch
+    score = f"test accuracy {100 * result.accuracy:.2f}% ({result.correct}/{result.count}) on {cfg.data.dataset}"
+    where = f"world size {d.world_size}; outputs in {cfg.out}"
+    if outcome == "already":
+        return (f"final: already done: an earlier epoch reached the target {target} (best test accuracy "
+                f"{progress.best_accuracy:.2%}), so nothing was trained; raise --target-accuracy or leave "
+                f"it out to train on; outputs in {cfg.out}")
+    if outcome == "reached":
+        return f"final: reached the target {target} after epoch {done} of {r.epochs}: {score}, {where}"
+    if outcome == "missed":
+        return f"final: did not reach the target {target} in {r.epochs} epochs: {score}, {where}"
+    return f"final: {score} after {r.epochs} epochs, {where}"
