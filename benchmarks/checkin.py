@@ -51,7 +51,9 @@ def _rank(rank: int, world: int, port: int, rounds: int, times: "mp.SimpleQueue"
             _barrier(place, rank, world)
             start = time.perf_counter()
             if kind == "check-in":
-                membership.meet(place, ident, creds, timedelta(seconds=120), lambda: None)
+                deadline = time.monotonic() + 120
+                entry = membership.check_in(place, ident, creds, deadline)
+                membership.wait_for_all(place, ident, creds, entry, deadline)
             else:
                 _arrivals(place, rank, world)
             times.put((r, kind, time.perf_counter() - start))

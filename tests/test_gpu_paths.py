@@ -299,7 +299,7 @@ CPU_TENSOR_EDITS = [
     ("trainer", "torch.tensor(float(seen_here), device=self.d.device)", "torch.tensor(float(seen_here))"),
     ("trainer", "loss_sum = torch.zeros((), device=d.device)", "loss_sum = torch.zeros(())"),
     ("steps", "loss_sum = torch.zeros((), device=device)", "loss_sum = torch.zeros(())"),
-    ("trainer", "loss_sum.clone(), samples))", "torch.tensor(1.0), samples))"),
+    ("trainer", "step_loss.mul(here), samples)", "torch.tensor(1.0), samples)"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
     ("steps", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
     ("steps", "self.share, self._flat())", "self.share, self._flat().cpu())"),

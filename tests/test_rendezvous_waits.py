@@ -65,11 +65,11 @@ def test_ranks_waiting_for_a_peer_stop_when_told(how: signal.Signals, tmp_path: 
         assert out.strip().splitlines() == ["mnist-ddp: interrupted."], out
 
 
-def test_the_gist_of_an_error_inside_the_comm_hook_is_the_collectives_own() -> None:
+def test_the_summary_of_an_error_inside_the_comm_hook_is_the_collectives_own() -> None:
     """A collective that fails inside our comm hook's future arrives wrapped in torch's callback error and led by
-    gloo's source location: the gist is gloo's sentence alone (the message that names the cause quotes it)."""
+    gloo's source location: the summary is gloo's sentence alone (the message that names the cause quotes it)."""
     wrapped = RuntimeError("Got the following error when running the callback: RuntimeError: [/__w/pytorch/third_"
                            "party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send "
                            "operation to complete. More text.\nA second line.")
-    assert rendezvous.gist(wrapped) == "Timed out waiting 10000ms for send operation to complete"
-    assert rendezvous.gist(RuntimeError("[x.cc:1] Connection closed by peer")) == "Connection closed by peer"
+    assert rendezvous.error_summary(wrapped) == "Timed out waiting 10000ms for send operation to complete"
+    assert rendezvous.error_summary(RuntimeError("[x.cc:1] Connection closed by peer")) == "Connection closed by peer"

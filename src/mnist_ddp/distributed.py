@@ -16,6 +16,7 @@ checks (checkpoint.pack); what cannot be read is refused in one line.
 import gc
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,7 +70,7 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping
     then takes the first it sees, cuda:0. Otherwise they would share GPUs, and NCCL stops the job with
     "Duplicate GPU detected". A process sees only what it was given, not what its neighbours were, so a set
     CUDA_VISIBLE_DEVICES is taken at its word; should two processes still get the same GPU, joining says so in
-    one sentence (`_join`).
+    one sentence (`join`).
     """
     processes = max(local_world_size, local_rank + 1)
     if processes <= visible:
@@ -236,58 +237,55 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,
           heartbeat_s: float = 0, creds: Credentials | None = None) -> Dist:
-    """Join the process group on `device` (one process needs none): nccl for CUDA, gloo otherwise, once every
-    rank has proven with `creds` that it belongs to the job (membership.py; None: no secret, no run settings, as
-    for processes a test starts itself); with `heartbeat_s`, this rank beats to the store every so many seconds
-    (heartbeat.py)."""
+    """This process's `Dist` on `device`, after joining the process group when there are several ranks (nccl
+    for CUDA, gloo otherwise)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     beat = None
     if ident.world_size > 1:
         if device.type == "mps":
             raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        if backend == "nccl":
-            os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
-        # device_id binds the group to this GPU: NCCL's communicator is made now, inside _join's clear errors,
-        # not at the first collective, and barrier() uses that GPU (distributed_c10d.py: init_process_group,
-        # barrier). Only for nccl: init_process_group refuses a CPU device_id, and gloo needs none.
-        beat = _join(ident, backend, timedelta(seconds=timeout_s), heartbeat_s, creds or Credentials(),
-                     device_id=device if backend == "nccl" else None)
+        beat = join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
+                    heartbeat_s, creds or Credentials(), device)
     return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id, beat)
 
 
-def _join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float,
-          creds: Credentials, device_id: torch.device | None = None) -> Heartbeat | None:
+def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, creds: Credentials,
+         device: torch.device) -> Heartbeat | None:
+    """Join the job's process group: the store, check in (membership.py: every rank proven one of the job's),
+    start beating (heartbeat.py), wait for every rank, `init_process_group`. Returns the heartbeat (None: off).
+    Any failure is one sentence that says who or what was missing."""
     os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
+    if backend == "nccl":
+        os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
+    deadline = time.monotonic() + timeout.total_seconds()
     beat = None
-
-    def start_beating() -> None:  # once this rank is in, so that a timeout later can name who hangs
-        nonlocal beat
-        if heartbeat_s:
+    try:
+        store = rendezvous.joined_store(ident, timeout)
+        entry = membership.check_in(store, ident, creds, deadline)
+        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
             beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
             beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
-    try:
-        store = rendezvous.joined_store(ident, timeout)
-        membership.meet(store, ident, creds, timeout, start_beating)  # every rank proven, or the missing named
+        membership.wait_for_all(store, ident, creds, entry, deadline)
+        # nccl: device_id makes the communicator now, inside these clear errors, and binds barrier() to the GPU.
         dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
-                                **({"device_id": device_id} if device_id is not None else {}))
+                                **({"device_id": device} if backend == "nccl" else {}))
         if beat:
             beat.set_phase("setting up (data, model, checkpoint)")
         return beat
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
-        others = ident.world_size - 1
         who = beat.diagnose() if beat else ""
         if beat:
             beat.stop(LOST_CONTACT, culprit=False)
         if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
-            raise UserError(_shared_gpu(ident, device_id)) from e
+            raise UserError(_shared_gpu(ident, device)) from e
+        others = ident.world_size - 1
         raise UserError(
             f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
             f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s "
-            f"({rendezvous.gist(e)}{f': {who}' if who else ''}); check that every node was started with the same "
-            f"--master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
+            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
+            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
             f"names the network interface gloo should use)."
         ) from e
     except BaseException:  # interrupted: leave no thread talking to the store while the interpreter exits

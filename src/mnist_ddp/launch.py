@@ -111,8 +111,8 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 who = who or (f"one of them crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s "
                               f"(see its log)")
                 raise PeerFailure(
-                    f"rank {d.rank} lost contact with the other processes ({rendezvous.gist(e)}); {who}. Work since "
-                    f"the last checkpoint is lost: run again with --resume to continue from it."
+                    f"rank {d.rank} lost contact with the other processes ({rendezvous.error_summary(e)}); {who}. Work "
+                    f"since the last checkpoint is lost: run again with --resume to continue from it."
                 ) from e
             raise
         finally:
@@ -127,7 +127,7 @@ def _last_words(e: BaseException | None) -> tuple[str, bool]:
         return ("finished" if e is None else "interrupted"), False
     if isinstance(e, PeerFailure):
         return heartbeat.LOST_CONTACT, False
-    return rendezvous.gist(e), True
+    return rendezvous.error_summary(e), True
 
 
 def restarting(out: Path, ident: Identity, d: Dist) -> bool:

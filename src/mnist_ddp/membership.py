@@ -15,7 +15,7 @@ per-job key:
 4. once every rank is in, rank 0 welcomes each under its token, with an HMAC again (so a rank knows that the
    job it joins holds the same secret), and they all go on to init_process_group.
 
-The run digest covers what every rank must agree on (trainer.run_settings: the settings a resume must keep, the
+The run digest covers what every rank must agree on (config.run_settings: the settings a resume must keep, the
 data, the world), so a rank of another run that was pointed at the same address and port — a second job
 started by hand with another --seed — is refused while the first job waits on for its own. Without a secret
 (several nodes, none given) the same check-in still tells runs apart, but anyone could pass it.
@@ -36,7 +36,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -63,7 +62,7 @@ class Refused(UserError):
 @dataclass(frozen=True)
 class Credentials:
     """What a rank proves at check-in: that it knows the job's secret (b"": none was given), and which run it is
-    part of (trainer.run_settings)."""
+    part of (config.run_settings)."""
 
     secret: bytes = field(default=b"", repr=False)
     run: Mapping[str, str] = field(default_factory=dict)
@@ -111,25 +110,35 @@ def _sign(c: CheckIn, secret: bytes) -> str:
     return _mac(secret, "check-in", c.nonce, c.rank, _digest(c.run), c.addr, c.host, c.pid)
 
 
-def meet(store: dist.Store, ident: Identity, creds: Credentials, timeout: timedelta,
-         joined: Callable[[], None]) -> None:
-    """Return once every rank of the job has proven itself; raise Refused if this process is refused, TimeoutError
-    naming the ranks that never came. `joined` is called once this rank is in, before it waits for the others
-    (its heartbeat starts there: a stranger never beats under a rank's name)."""
-    deadline = time.monotonic() + timeout.total_seconds()
+@dataclass(frozen=True)
+class Entry:
+    """This rank's admission: the nonce it answered and, for ranks above 0, its check-in's token."""
+
+    nonce: str
+    token: str | None  # None: this process is the job's rank 0, which admits the others
+
+
+def check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: float) -> Entry:
+    """Return once this rank is in: rank 0 once it opened the check-in, any other once rank 0 admitted it;
+    raise Refused if this process is refused."""
     if ident.rank == 0:
         nonce = secrets.token_hex(16)
         current = store.compare_set(NONCE, "", nonce)
         if current == nonce.encode() or not _HEX32.fullmatch(current):  # ours, or garbage written before it
-            joined()
-            _Admission(store, ident, creds, nonce).run(deadline)
-            return
+            return Entry(nonce, None)
         # Another rank 0 is admitting here already: a second job on this port, or -nr 0 given twice. This one
         # must prove itself to it like any other rank (and is refused, with its line there).
     token, nonce = _check_in(store, ident, creds, deadline)
-    joined()
-    welcome = _mac(creds.secret, "welcome", nonce, token, ident.rank)
-    _wait(lambda: _read(store, WELCOME + token) == welcome.encode() or None, deadline,
+    return Entry(nonce, token)
+
+
+def wait_for_all(store: dist.Store, ident: Identity, creds: Credentials, entry: Entry, deadline: float) -> None:
+    """Return once every rank of the job is in (rank 0 admits them here); TimeoutError names the ranks missing."""
+    if entry.token is None:
+        _Admission(store, ident, creds, entry.nonce).run(deadline)
+        return
+    welcome = _mac(creds.secret, "welcome", entry.nonce, entry.token, ident.rank)
+    _wait(lambda: _read(store, WELCOME + entry.token) == welcome.encode() or None, deadline,
           lambda: _stalled(store, ident.world_size))
 
 

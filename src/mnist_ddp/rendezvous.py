@@ -57,7 +57,7 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta, one_no
         if "EADDRINUSE" in str(e):
             raise UserError(f"port {port} is already in use on this machine (another job or program listens "
                             f"there); choose another --master-port (or MASTER_PORT).") from e
-        raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({gist(e)}); "
+        raise UserError(f"cannot listen on port {port} of {addr} for the other processes ({error_summary(e)}); "
                         f"choose another --master-port (or MASTER_PORT).") from e
     store.set(WORLD_KEY, str(world_size))
     return store
@@ -213,8 +213,8 @@ def interface_to(addr: str) -> str | None:
     return None
 
 
-def gist(e: BaseException) -> str:
-    """The gist of a c10d/gloo error: its first sentence, without the C++ source location."""
+def error_summary(e: BaseException) -> str:
+    """A c10d/gloo error's first sentence, without the C++ source location."""
     lines = [line for line in str(e).splitlines() if line.strip()]
     # A collective that fails inside a comm hook's future (reduction.py) comes wrapped in torch's callback error.
     first = re.sub(r"^Got the following error when running the callback: \w+: ", "", lines[0].strip()) if lines else ""

@@ -137,11 +137,11 @@ class Trainer:
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
             here, samples = self._samples(batch)
-            loss_sum += step_loss
+            loss_sum.add_(step_loss, alpha=here)
             seen_here += here
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
             if self.steps_done % cfg.log_every == 0:
-                self._log_step(step_loss, samples)
+                self._log_step(step_loss.mul(here), samples)
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold(loss_sum, seen_here)
                 loss_sum.zero_()
@@ -154,15 +154,15 @@ class Trainer:
         return time.perf_counter() - start
 
     def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> torch.Tensor:
-        """One optimizer step; returns this rank's loss sum over its samples."""
+        """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
         r = self.cfg.recipe
         if self.textbook:
             x, y = batch
-            loss = train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
+            return train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
                               scaler=self.t.scaler)
-            return loss.mul(len(y))  # the mean times the batch: a sum, as the general step returns
-        return slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
-                         label_smoothing=r.label_smoothing, scaler=self.t.scaler, phase=self.profiler.phase)
+        loss_sum = slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
+                             label_smoothing=r.label_smoothing, scaler=self.t.scaler, phase=self.profiler.phase)
+        return loss_sum.div(max(self._samples(batch)[0], 1))  # a rank of --bitwise may train no sample
 
     def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> tuple[int, int]:
         """This rank's samples in the step, and the whole step's (all ranks')."""
@@ -187,7 +187,7 @@ class Trainer:
 
     def _log_step(self, loss_sum: torch.Tensor, samples: int) -> None:
         """Keep this step's loss sum (on the device) and lr; the next `_fold` adds them up over the ranks."""
-        self.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], loss_sum.clone(), samples))
+        self.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], loss_sum, samples))
 
     def _fold(self, loss_sum: torch.Tensor, seen_here: int) -> None:
         """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
