@@ -1,4 +1,4 @@
-"""The GPU check: the README's GPU statements measured in one prepared run on a lent GPU machine.
+"""The GPU check: the GPU statements of docs/gpu.md measured in one prepared run on a lent GPU machine.
 
     PYTHONPATH=src python3 benchmarks/gpu_check.py            # on the GPU machine; results in $OUT (else --out)
     python benchmarks/gpu_check.py --device cpu --quick       # the same plumbing on a CPU, tiny data

@@ -195,8 +195,9 @@ def _final_weights(out: Path) -> torch.Tensor:
 
 
 def test_the_same_run_at_worlds_1_2_and_4_ends_with_the_same_weights(tmp_path: Path) -> None:
-    """README: the weights of `--accumulate 4`, `-g 2 --accumulate 2` and `-g 4` are under 1e-6 apart after 3 fp32
-    SGD steps (float summation order); a run of another global batch (2 micro-batches: 6 steps) is far from them."""
+    """docs/world-size.md: the weights of `--accumulate 4`, `-g 2 --accumulate 2` and `-g 4` are under 1e-6 apart
+    after 3 fp32 SGD steps (float summation order); a run of another global batch (2 micro-batches: 6 steps) is far
+    from them."""
     env, mark = marked_env()
     with reaped(mark):
         runs = {name: start(["mnist_ddp", "train", *SGD, *extra, "--out", str(tmp_path / str(n))], env, tmp_path,

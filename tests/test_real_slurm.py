@@ -53,11 +53,12 @@ def test_srun_trains_a_world_of_two_slurm(cluster: Cluster, tmp_path: Path) -> N
 
 
 def _batch_script(tmp_path: Path, extra: str) -> Path:
-    """The README's batch script, adapted to this cluster: one node with two CPU tasks (no --gpus-per-task),
-    python -m mnist_ddp for the installed command, a tiny run, and the output folder in the test's folder."""
-    readme = (REPO / "README.md").read_text()
-    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.S)
-    assert script, "README.md has no batch script"
+    """The batch script in docs/many-machines.md, adapted to this cluster: one node with two CPU tasks (no
+    --gpus-per-task), python -m mnist_ddp for the installed command, a tiny run, and the output folder in the
+    test's folder."""
+    page = (REPO / "docs" / "many-machines.md").read_text()
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", page, re.S)
+    assert script, "docs/many-machines.md has no batch script"
     text = script.group(1)
     text = re.sub(r"#SBATCH --gpus-per-task.*\n", "", text)
     text = re.sub(r"--nodes=\d+", "--nodes=1", text)
@@ -78,7 +79,7 @@ def _job_id(sbatch_stdout: str) -> str:
 
 
 def test_sbatch_runs_the_readmes_batch_script_slurm(cluster: Cluster, tmp_path: Path) -> None:
-    """`sbatch --wait` of the README's script trains a world of 2; its exit code is the job's: 0, then 2 for
+    """`sbatch --wait` of the documented script trains a world of 2; its exit code is the job's: 0, then 2 for
     the same script with a bad flag."""
     env, mark = _env()
     good, bad = tmp_path / "good", tmp_path / "bad"
@@ -87,7 +88,7 @@ def test_sbatch_runs_the_readmes_batch_script_slurm(cluster: Cluster, tmp_path: 
     with reaped(mark):
         r = cluster.run("sbatch", "--wait", "-o", str(good / "job.log"), str(_batch_script(good, "")), env=env,
                         cwd=good, timeout=HANG)
-        _timed("sbatch --wait (README script)", began)
+        _timed("sbatch --wait (documented script)", began)
         log = (good / "job.log").read_text()
         assert r.returncode == 0, r.stdout + r.stderr + log + cluster.logs()
         out = good / f"mnist-{_job_id(r.stdout)}"

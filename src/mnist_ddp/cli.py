@@ -86,7 +86,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--secret-file", metavar="PATH",
                    help="a file (mode 600) holding the job's secret, the same on every node, which every process "
                    "proves it knows before it may join (default: $MNIST_DDP_SECRET; one node makes its own; none: "
-                   "anyone who reaches node 0 may join; README: Who can reach a job)")
+                   "anyone who reaches node 0 may join; see docs/security.md)")
     g.add_argument("--device", default="auto", choices=DEVICES, help="auto = cuda, else mps, else cpu")
     g.add_argument("--backend", choices=BACKENDS, help="collective backend (default: nccl on CUDA, else gloo)")
     g.add_argument("--timeout", type=float, default=default(TrainConfig, "timeout"),
@@ -98,11 +98,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--recipe", default="default", choices=RECIPES,
                    help="default: AdamW + one-cycle, ~99%% MNIST in 2 epochs; tutorial: SGD lr 1e-4, as the tutorial")
     g.add_argument("--optimizer", choices=OPTIMIZERS)
-    g.add_argument("--lr", type=float, help="peak learning rate; not scaled with the world size (see README)")
+    g.add_argument("--lr", type=float,
+                   help="peak learning rate; not scaled with the world size (see docs/world-size.md)")
     g.add_argument("--momentum", type=float, help="SGD momentum, or AdamW's beta1")
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--batch-size", type=int,
-                   help="per micro-batch; the global batch is this × world size × --accumulate (see README)")
+                   help="per micro-batch; the global batch is this × world size × --accumulate "
+                   "(see docs/world-size.md)")
     g.add_argument("--epochs", type=int)
     g.add_argument("--scheduler", choices=SCHEDULERS, help="per-step learning-rate schedule")
     g.add_argument("--label-smoothing", type=float)
@@ -126,7 +128,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--bitwise", action="store_true",
                    help="the same weights, bit for bit, at any world size and through resumes at any world: each "
                    "micro-batch's gradient kept apart and summed in a fixed order, one thread per CPU process "
-                   "(slower where a process has several cores; see README)")
+                   "(slower where a process has several cores; see docs/world-size.md)")
     g = p.add_argument_group("outputs")
     g.add_argument("--out", default=None, help="run folder (default: runs/<date-time>)")
     g.add_argument("--resume", action="store_true",

@@ -95,7 +95,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             # Not an error: the tutorial's flags, typed as they are, must keep working.
             print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any process "
                   f"that can reach {ident.master_addr}:{ident.master_port} could have joined it; give every node the "
-                  f"same secret (README: Who can reach a job).", file=sys.stderr, flush=True)
+                  f"same secret (see docs/security.md).", file=sys.stderr, flush=True)
         finished = False
         try:
             if check_out:
