@@ -3,7 +3,7 @@
 The evidence behind compute.py's defaults (amp_for, channels_last_for). Every setting trains its own model on the same
 batches, in interleaved rounds (A B C D A B C D …), so a neighbour's load hits all of them alike;
 the median and best round are printed. Full training steps from the real pieces: ShardedBatches,
-ConvNet, trainer.build_optimizer (the default recipe). Prints; asserts nothing.
+ConvNet, schedule.build_optimizer (the default recipe). Prints; asserts nothing.
 
     python benchmarks/ab_compute.py                      # this machine's cores, batch 100
     python benchmarks/ab_compute.py --threads 1 --compile
@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mnist_ddp import distributed, trainer
+from mnist_ddp import distributed, schedule
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import RECIPES
@@ -48,7 +48,7 @@ def main() -> None:
         model = ConvNet().to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        opt, _ = trainer.build_optimizer(recipe, model)
+        opt, _ = schedule.build_optimizer(recipe, model)
         batches = ShardedBatches(images, labels, args.batch_size, rank=0, world=1, device=device, shuffle=True,
                                  channels_last=channels_last)
         name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "")

@@ -1,7 +1,7 @@
 """A/B of the heartbeat (heartbeat.py) in one run: DDP training steps with it off, at its default, 10x as often.
 
 G real gloo ranks (cores shared and pinned as `-g G` does) train the real pieces (ConvNet, the default recipe,
-trainer.wrap's DDP) in interleaved blocks of steps — off, default, fast, off, … — so a neighbour's load hits all
+ddp.wrap's DDP) in interleaved blocks of steps — off, default, fast, off, … — so a neighbour's load hits all
 settings alike; each block with the heartbeat on beats to the job's store and reports every step
 (`Dist.at`), as the training loop does. Prints images/s (all ranks) per setting, median of the blocks, and
 the ratios to "off"; asserts nothing.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, distributed, identity, rendezvous, trainer
+from mnist_ddp import compute, datasets, ddp, distributed, identity, rendezvous, schedule
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import DataConfig, TrainConfig
@@ -44,8 +44,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, results: "
     batches = ShardedBatches(data.train.images, data.train.labels, cfg.recipe.batch_size, rank=rank, world=world,
                              device=device, shuffle=True, channels_last=channels_last)
     model = ConvNet().to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    opt, _ = trainer.build_optimizer(cfg.recipe, model)
-    net = trainer.wrap(model, cfg, d)
+    opt, _ = schedule.build_optimizer(cfg.recipe, model)
+    net = ddp.wrap(model, d)
     speeds: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for rnd in range(args.rounds + 1):  # round 0 warms up (oneDNN primitives, the first beats): not counted
         for name, interval in SETTINGS.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import atomic, checkpoint, trainer
+from mnist_ddp import atomic, checkpoint, schedule, state
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.model import ConvNet
 
@@ -25,10 +25,10 @@ from mnist_ddp.model import ConvNet
 def payload() -> dict:
     cfg = TrainConfig()
     model = ConvNet()
-    opt, _ = trainer.build_optimizer(cfg.recipe, model)
+    opt, _ = schedule.build_optimizer(cfg.recipe, model)
     model(torch.randn(4, 1, 28, 28)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": vars(trainer.Progress()),
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": vars(state.Progress()),
             "rng": torch.get_rng_state(), "config": cfg.to_dict(), "run_id": ""}
 
 

@@ -22,11 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mnist_ddp import datasets
 from mnist_ddp.batches import model_input
+from mnist_ddp.compute import sync
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
 from mnist_ddp.report import Reporter
-from mnist_ddp.trainer import Trainer, sync
+from mnist_ddp.trainer import Trainer
 
 BATCH = 100
 

@@ -1,6 +1,6 @@
 """Where a training step's time goes: data, forward, backward, all-reduce, optimizer.
 
-Runs the real pieces (ShardedBatches, ConvNet, trainer.wrap's DDP settings, trainer.build_optimizer,
+Runs the real pieces (ShardedBatches, ConvNet, ddp.wrap's DDP settings, schedule.build_optimizer,
 the per-device compute defaults) for a number of steps in 1 process and in G processes (gloo,
 cores shared and pinned as distributed.setup does), with a timer around each phase; on CUDA the
 timers synchronise first. The all-reduce is timed by a DDP comm hook, from the moment the
@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, distributed, identity, reduction, rendezvous, timeline, trainer
+from mnist_ddp import compute, datasets, ddp, distributed, identity, reduction, rendezvous, schedule, timeline
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
@@ -59,10 +59,10 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
     model = ConvNet().to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, schedule = trainer.build_optimizer(cfg.recipe, model)
+    opt, set_lr = schedule.build_optimizer(cfg.recipe, model)
     reduce_seconds, mean = _Seconds(), reduction.MeanReduction(world)
     clock = mean.observer = timeline.BucketClock(reduce_seconds.bucket, device)  # as --profile times it
-    net = trainer.wrap(model, cfg, d, reduce=mean)
+    net = ddp.wrap(model, d, hook=mean)
 
     def tick() -> float:
         if device.type == "cuda":
@@ -89,7 +89,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
         t3 = tick()
         clock.settle()
         opt.step()
-        schedule((step + 1) / steps)  # the lr for the next step, as the training loop sets it
+        set_lr((step + 1) / steps)  # the lr for the next step, as the training loop sets it
         t4 = tick()
         for phase, seconds in zip(("data", "forward", "backward", "optimizer"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             totals[phase] += seconds

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnist_ddp import compute, distributed, trainer
+from mnist_ddp import compute, distributed, schedule
 from mnist_ddp.compute import autocast
 from mnist_ddp.config import RECIPES
 from mnist_ddp.model import ConvNet
@@ -162,7 +162,7 @@ def _time_steps(batch: int, steps: int, warmup: int, world: int) -> dict[str, fl
     model = ConvNet()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt, _ = trainer.build_optimizer(recipe, model)
+    opt, _ = schedule.build_optimizer(recipe, model)
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))
     offset = 0

@@ -3,7 +3,7 @@
 Each rank's BatchNorm normalises its own half-batch, so the single-process reference runs
 the two halves as separate forward passes and averages their gradients, which is what DDP's
 all-reduce computes. Built from the real pieces: ConvNet, `ddp.wrap` (our DDP settings),
-`shard_indices` and `trainer.build_optimizer`.
+`shard_indices` and `schedule.build_optimizer`.
 """
 
 import os
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import spawn_gloo
 from datafiles import one_thread
-from mnist_ddp import ddp, trainer
+from mnist_ddp import ddp, schedule
 from mnist_ddp.batches import shard_indices
 from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
@@ -56,11 +56,11 @@ def _rank(d: Dist, out: str) -> None:
         cfg = _config(optimizer)
         net = ddp.wrap(model, d)
         assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
-        opt, schedule = trainer.build_optimizer(cfg.recipe, model)
+        opt, set_lr = schedule.build_optimizer(cfg.recipe, model)
         x, y = _data()
         for n, (epoch, step) in enumerate(_steps()):
             i = _batch(d.rank, step, epoch)
-            schedule(n / len(_steps()))
+            set_lr(n / len(_steps()))
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x[i]), y[i]).backward()
             opt.step()
@@ -71,10 +71,10 @@ def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # rank 0's initial weights
     model = ConvNet()
     cfg = _config(optimizer)
-    opt, schedule = trainer.build_optimizer(cfg.recipe, model)
+    opt, set_lr = schedule.build_optimizer(cfg.recipe, model)
     x, y = _data()
     for n, (epoch, step) in enumerate(_steps()):
-        schedule(n / len(_steps()))
+        set_lr(n / len(_steps()))
         opt.zero_grad(set_to_none=True)
         for rank in range(WORLD):  # one micro-batch per rank; BatchNorm sees each half on its own
             i = _batch(rank, step, epoch)

@@ -125,3 +125,9 @@ def share_cores(local_rank: int, local_world_size: int, threads: int | None = No
         torch.set_num_threads(threads)
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, len(mine)))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings mean something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,23 +1,5 @@
-"""How the step's gradients become one: the DDP comm hook every run trains with, and what `--profile` times.
-
-DDP calls a comm hook for every gradient bucket that backward fills, from inside backward, with the bucket's
-flat gradients; the future it returns holds the reduced gradients DDP puts back. Both reductions here are
-such hooks (`comm_hook`, installed by `trainer.wrap`), and the loop's `steps.accumulate` works with either:
-- `MeanReduction` (the default) is what DDP does without a hook: each rank's gradient, accumulated in
-  `.grad` over its micro-batches under `no_sync`, times 1/world, all-reduced (summed). The sum's order
-  follows the world: how a rank's micro-batches were grouped, then gloo's or NCCL's reduction order, so
-  every world rounds differently.
-- `SlotReduction` (`--bitwise`) makes the order the run's own. A rank keeps each of its micro-batches'
-  gradients apart (`keep`, after every backward under `no_sync`, which still skips the collective); the
-  hook all-gathers every micro-batch slot's gradient and every rank adds them in slot order 0…M−1, as one
-  process accumulating the M micro-batches in that order does in `.grad`. Elementwise additions in a fixed
-  order give the same bits wherever the parts were computed, so the step's gradient is the same at any
-  world size. Cost: each
-  rank receives (W−1)·⌈M/W⌉ slot gradients of 4n bytes per step (n = 29,034 parameters: 116 kB each)
-  where the ring all-reduce moves 2(W−1)/W·4n: M/2 times as many bytes when W divides M.
-An observer (`BucketObserver`), when one is set, is told when backward handed each bucket over and when its
-reduced values were back: `--profile` times whichever reduction runs, and the numbers never change.
-"""
+"""How the step's gradients become one: the DDP comm hooks every run trains with, `MeanReduction` (DDP's mean)
+or `SlotReduction` (`--bitwise`: summed in slot order), and what `--profile` times (docs/design/bitwise.md)."""
 
 import math
 from abc import ABC, abstractmethod
@@ -73,9 +55,8 @@ def comm_hook(reduction: Reduction, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 class MeanReduction(Reduction):
-    """DDP's own: each rank's gradient times 1/world, summed over the ranks (what DDP computes without a hook,
-    bit for bit: it multiplies by 1/world too). Each micro-batch's loss weighs world/samples, so the average
-    over the world is the global batch's mean."""
+    """DDP's own, bit for bit: each rank's gradient times 1/world, summed over the ranks; each micro-batch's loss
+    weighs world/samples."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -92,12 +73,8 @@ class MeanReduction(Reduction):
 
 
 class SlotReduction(Reduction):
-    """`--bitwise`: every micro-batch slot's gradient gathered, and summed in slot order on every rank.
-
-    Each micro-batch's loss weighs 1/samples, the same number at any world (the whole step's samples), so a
-    slot's gradient is the same bits on whichever rank computes it. One process (no DDP, no hook) needs none
-    of this: autograd accumulates its micro-batches in `.grad` in slot order, the very sum the hook makes.
-    """
+    """`--bitwise`: every micro-batch slot's gradient gathered, and summed in slot order on every rank; each
+    micro-batch's loss weighs 1/samples, the same at any world (docs/design/bitwise.md)."""
 
     def __init__(self, model: nn.Module, share: Share, rank: int) -> None:
         self.params, self.share = list(model.parameters()), share
@@ -125,9 +102,8 @@ class SlotReduction(Reduction):
 
 
 def laid_out(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-    """`grads` (of `params`) as one row laid out like DDP's bucket `buffer`: each parameter's gradient where DDP
-    puts it, one after the other, in the parameter's own memory layout (a channels_last weight's, not its
-    logical order: flattening it with reshape would pair the wrong elements)."""
+    """`grads` (of `params`) as one row laid out like DDP's bucket `buffer`, each in its parameter's own memory
+    layout (a channels_last weight's, not its logical order: reshape would pair the wrong elements)."""
     row, offset = torch.empty_like(buffer), 0
     for p, g in zip(params, grads, strict=True):
         row.as_strided(p.shape, p.stride(), offset).copy_(g)
@@ -157,8 +133,8 @@ def in_part_order(gathered: torch.Tensor, share: Share) -> list[torch.Tensor]:
 
 
 def ordered_sum(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """parts[0] + parts[1] + … added one at a time, in that order (into `out` if given): elementwise additions
-    in a fixed order, so the same bits wherever and however the parts were computed."""
+    """parts[0] + parts[1] + … added one at a time, in that order (into `out` if given): the same bits wherever
+    the parts were computed."""
     total = parts[0].clone() if out is None else out.copy_(parts[0])
     for part in parts[1:]:
         total.add_(part)

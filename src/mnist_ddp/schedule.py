@@ -1,4 +1,5 @@
-"""The learning-rate schedule as a function of how far the run is: the fraction of its training samples seen.
+"""The recipe's optimizer, and its learning-rate schedule as a function of how far the run is: the fraction
+of its training samples seen.
 
 Not of optimizer steps: a run's steps are fixed by its global batch (batches.py), but the fraction needs no
 state of its own and no count of steps: the checkpoint's progress (epoch, samples consumed) is its state,
@@ -14,7 +15,9 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
+from . import compute
 from .config import Recipe
 
 WARMUP = 0.25  # OneCycleLR's pct_start
@@ -55,3 +58,16 @@ def build(r: Recipe, opt: torch.optim.Optimizer) -> Schedule:
             elif momentum is not None:
                 group["momentum"] = momentum
     return set_for
+
+
+def build_optimizer(r: Recipe, model: nn.Module) -> tuple[torch.optim.Optimizer, Schedule]:
+    """The recipe's optimizer, and its schedule: call it with the fraction of the run done before each step."""
+    # One fused kernel per step instead of a handful per parameter: ~3x less optimizer time on the CPU.
+    fused = {"fused": True} if compute.fused_optimizers(next(model.parameters()).device) else {}
+    if r.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=r.lr, momentum=r.momentum,
+                                                     weight_decay=r.weight_decay, **fused)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(r.momentum, 0.999),
+                                weight_decay=r.weight_decay, **fused)
+    return opt, build(r, opt)

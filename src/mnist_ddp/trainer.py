@@ -18,7 +18,7 @@ from torch import nn
 
 from . import compute, datasets, ddp, divergence, reduction, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
-from .config import Recipe, TrainConfig
+from .config import TrainConfig
 from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate
@@ -27,25 +27,6 @@ from .report import Reporter
 from .state import Progress
 from .steps import PartStats, slot_step, train_step
 from .timeline import StepProfiler
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so that wall-clock timings mean something."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_optimizer(r: Recipe, model: nn.Module) -> tuple[torch.optim.Optimizer, schedule.Schedule]:
-    """The recipe's optimizer, and its schedule: call it with the fraction of the run done before each step."""
-    # One fused kernel per step instead of a handful per parameter: ~3x less optimizer time on the CPU.
-    fused = {"fused": True} if compute.fused_optimizers(next(model.parameters()).device) else {}
-    if r.optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=r.lr, momentum=r.momentum,
-                                                     weight_decay=r.weight_decay, **fused)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(r.momentum, 0.999),
-                                weight_decay=r.weight_decay, **fused)
-    return opt, schedule.build(r, opt)
 
 
 class Trainer:
@@ -62,7 +43,7 @@ class Trainer:
         model = ConvNet().to(d.device)  # the plain ConvNet: what is evaluated and saved
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        opt, self.schedule = build_optimizer(r, model)
+        opt, self.schedule = schedule.build_optimizer(r, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step, until the next fold
@@ -127,7 +108,7 @@ class Trainer:
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
         self.stats.train()
-        sync(d.device)
+        compute.sync(d.device)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last fold: on the device, no sync
         seen_here = 0
@@ -150,7 +131,7 @@ class Trainer:
                 self.stats.train()
             self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
         self._fold(loss_sum, seen_here)
-        sync(d.device)
+        compute.sync(d.device)
         return time.perf_counter() - start
 
     def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> torch.Tensor:
@@ -237,8 +218,7 @@ class Trainer:
         self.report.keep_epochs_before(p.epoch)  # a line of the epoch in progress was never saved
         self.report.say(f"resume: from {resumed.path}, epoch {p.epoch + 1}, {p.consumed:,} of its {n:,} samples done")
         self._deal(resumed.share, resumed.batchnorm_parts)
-        line = summary.world_change(resumed.world_was, resumed.share, self.cfg)
-        if line:
+        if line := summary.world_change(resumed.world_was, resumed.share, self.cfg):
             self.report.say(line)
 
 
