@@ -1,24 +1,6 @@
-"""Batches straight from an in-memory uint8 tensor, sharded across ranks.
-
-No Dataset, no DataLoader, no per-sample Python: the whole split sits in memory
-(on the GPU when training on CUDA) and a batch is one index gather.
-
-Which samples a rank sees follows `torch.utils.data.DistributedSampler` exactly — a permutation
-seeded by seed + epoch, padded to a multiple of the world size, then every world_size-th index from
-`rank` (`shard_indices`). Training applies that rule not to the processes but to the run's
-*micro-batch slots*: a run's global batch is M micro-batches of B samples, M fixed at its first start
-(world × --accumulate) and kept in its checkpoint. Slot j's samples are what rank j of a world of M
-would take, so step s of an epoch is the same M × B samples at any world size (`StepBatches`):
-  - world W ≤ M: rank r trains slots r, r + W, r + 2W, … (DistributedSampler's rule once more, over the
-    slots), each as its own micro-batch; when W does not divide M, the first M mod W ranks take one more;
-  - world W > M: the step's samples, in slot order, are cut into W nearly equal micro-batches, one per rank,
-    so the global batch is kept (BatchNorm then normalises smaller batches) — unless the share keeps the
-    slots whole (`--bitwise`, where a cut slot would be another computation): then ranks M… train an empty
-    micro-batch, which only takes part in the step's reduction.
-So `-g 1 --accumulate 4`, `-g 2 --accumulate 2` and `-g 4` see the same micro-batches, and a run resumed at
-another world continues the very same sequence of steps. Step s consumes a prefix of the epoch's
-permutation (positions 0 … (s+1)·M·B), so a position is one number whatever the world.
-"""
+"""Batches straight from an in-memory uint8 tensor, sharded by DistributedSampler's rule: one index gather
+per batch, no DataLoader. Training deals the run's M micro-batch slots over the world, so a step's samples are
+the same at any world size (docs/design/slots.md)."""
 
 import math
 from collections.abc import Iterator
@@ -52,11 +34,8 @@ def padded(order: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int,
                   pad: bool = True) -> torch.Tensor:
-    """This rank's sample indices for `epoch`, as DistributedSampler would give them.
-
-    `pad=False` is for evaluation: no sample is repeated or dropped, so shards may
-    differ in length by one and the all-reduced totals count every sample once.
-    """
+    """This rank's sample indices for `epoch`, as DistributedSampler would give them; `pad=False` (evaluation):
+    none repeated or dropped, so shards may differ in length by one and totals count every sample once."""
     order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
     return (padded(order, world) if pad else order)[rank::world]
 
