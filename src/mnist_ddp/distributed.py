@@ -1,17 +1,6 @@
-"""The process group: join it, use it, leave it.
-
-`setup` turns an `Identity` (who am I: identity.py) into a `Dist` — the running process's
-rank, world size and device, with the few collectives the training loop needs — after
-joining the process group (`init_process_group`). Every launcher ends in the same `Dist`,
-so the training loop has a single code path; with one process there is no process group
-at all and the collectives are no-ops. `teardown` leaves the group, always.
-
-What ranks share crosses the network as bytes in uint8 tensors, never as pickles: torch's object
-collectives (broadcast_object_list, gather_object) unpickle whatever arrives with the full unpickler, so
-whoever could pose as rank 0 would run code on every rank (and they need numpy, which a base install
-lacks). Rank 0's result travels as JSON, or as a checkpoint the weights-only loader reads and its digest
-checks (checkpoint.pack); what cannot be read is refused in one line.
-"""
+"""The process group: `setup` joins it and turns an `Identity` into the one `Dist` every launcher ends in (rank,
+world, device, the loop's few collectives: no-ops in one process); `teardown` leaves it, always. Ranks share
+bytes in uint8 tensors, never pickles: JSON, or a digest-checked weights-only checkpoint (docs/faults.md)."""
 
 import gc
 import json
@@ -63,15 +52,9 @@ GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
 
 
 def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str]) -> int:
-    """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` on this machine) takes.
-
-    Enough GPUs for every local process: its own, by local rank. Fewer GPUs than local processes is right only
-    when the launcher gave each process its own (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per process): each
-    then takes the first it sees, cuda:0. Otherwise they would share GPUs, and NCCL stops the job with
-    "Duplicate GPU detected". A process sees only what it was given, not what its neighbours were, so a set
-    CUDA_VISIBLE_DEVICES is taken at its word; should two processes still get the same GPU, joining says so in
-    one sentence (`join`).
-    """
+    """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` here) takes: its own by local
+    rank; cuda:0 when there are fewer and the launcher chose each process's (`GPU_CHOSEN_BY`, taken at its word:
+    `join` names a duplicate); else refused, as NCCL would stop the job (docs/design/nccl-errors.md)."""
     processes = max(local_world_size, local_rank + 1)
     if processes <= visible:
         return local_rank
@@ -85,17 +68,8 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping
 
 
 def nccl_error_handling(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables to set so that an NCCL failure reaches Python: TORCH_NCCL_ASYNC_ERROR_HANDLING=2, unless
-    the user chose how NCCL errors are handled.
-
-    torch's default (3, torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp: ErrorHandlingMode; read in
-    ProcessGroupNCCL's constructor) has the watchdog thread rethrow a collective's timeout or a peer's error,
-    which ends the process with SIGABRT: no Python exception, so no PeerFailure, no heartbeat diagnosis, no
-    `finally`. 2 (CleanUpOnly) aborts the communicator and leaves the process running: the kernels that waited
-    return, and the next collective raises "NCCL communicator was aborted", which `is_peer_failure` knows.
-    TORCH_NCCL_BLOCKING_WAIT is no alternative: it creates no watchdog at all, and DDP's gradient all-reduce
-    never waits on the work (it completes through a CUDA future), so a frozen peer would hang it forever.
-    """
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so an NCCL failure raises in Python instead of a SIGABRT, unless the
+    user chose how NCCL errors are handled (docs/design/nccl-errors.md)."""
     chosen = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
               "NCCL_BLOCKING_WAIT")
     return {} if any(name in env for name in chosen) else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -130,14 +104,8 @@ class Dist:
         return tensor
 
     def raise_if_aborted(self) -> None:
-        """Raise, as the next collective would, when NCCL's watchdog has aborted the communicator.
-
-        With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (`nccl_error_handling`) a collective that timed out or lost a peer
-        aborts the communicator, and the kernels that waited on it return: the process runs on with whatever they
-        left (a half-reduced gradient, the totals of a fold) until its next collective raises. Rank 0 asks before
-        it saves, so that no checkpoint holds such numbers. ProcessGroupNCCL.get_error (torch/csrc/distributed/
-        c10d/init.cpp; SUCCESS until the watchdog records a TIMEOUT or COMM_ERROR); a torch without it, or any
-        other backend, has nothing to ask."""
+        """Raise, as the next collective would, when NCCL's watchdog has aborted the communicator; rank 0 asks
+        before it saves, so no checkpoint holds numbers from after an abort (docs/design/nccl-errors.md)."""
         if self.world_size == 1 or dist.get_backend() != "nccl":
             return
         get_error = getattr(dist.group.WORLD._get_backend(self.device), "get_error", None)
@@ -148,10 +116,8 @@ class Dist:
 
     def from_main(self, fn: Callable[[], T], encode: Callable[[T], bytes] = lambda v: json.dumps(v).encode(),
                   decode: Callable[[bytes], T] = untrusted.parse) -> T:
-        """`fn()`, run on rank 0 alone, and its result on every rank: `encode`d there (JSON unless told), sent
-        as bytes, `decode`d on the others (checkpoint.pack and unpack for a checkpoint). A UserError there is
-        raised on every rank, so bad input only rank 0 can see (an unreadable checkpoint, an unusable --out)
-        stops the whole job at once, instead of leaving the other ranks waiting for rank 0 until --timeout."""
+        """`fn()`, run on rank 0 alone, and its result on every rank (`encode`d, JSON unless told; sent as bytes;
+        `decode`d). A UserError there is raised on every rank, so the job stops at once, not at --timeout."""
         if self.world_size == 1:
             return fn()
         if self.is_main:
