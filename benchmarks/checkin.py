@@ -22,7 +22,7 @@ from mnist_ddp import membership, rendezvous
 from mnist_ddp.identity import Identity
 
 KINDS = ("arrivals (before)", "check-in")
-SETTINGS = {"seed": "0", "lr": "0.003"}  # a run's settings (trainer.run_settings gives a dozen)
+SETTINGS = {"seed": "0", "lr": "0.003"}  # a run's settings (config.run_settings gives a dozen)
 
 
 def _arrivals(store: dist.Store, rank: int, world: int) -> None:
