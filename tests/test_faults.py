@@ -25,9 +25,10 @@ from types import FrameType
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from conftest import metrics, progress, tiny
-from mnist_ddp import checkpoint
+from mnist_ddp import checkpoint, distributed, identity, rendezvous
 from procfs import (
     children,
     describe,
@@ -396,6 +397,30 @@ def test_heartbeat_0_turns_it_off(tmp_path: Path) -> None:
     assert f"rank 1 ({socket.gethostname()}, pid {jobs['1'][1][1].pid}) stopped answering: gone" in lines["1"], lines
     assert "stopped answering:" not in lines["0"] and "one of them crashed, was killed or stopped answering for " \
         "--timeout 30 s (see its log)" in lines["0"], lines
+
+
+def _leave_a_frozen_peer(rank: int, port: int, said: str) -> None:
+    """Rank 1 waits in an all-reduce that rank 0 never joins, then leaves the group as after an error, and writes
+    what teardown returned to `said`; rank 0, frozen as far as the group can tell, stays until then."""
+    torch.set_num_threads(1)
+    distributed.setup(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
+    if rank == 0:
+        wait_for("rank 1 to leave", Path(said).exists, HANG)
+    else:
+        dist.all_reduce(torch.ones(4), async_op=True)
+        Path(said).write_text(str(distributed.teardown(together=False)))
+    os._exit(0)  # what a failed -g child does (launch._leave): the group may still be closing
+
+
+def test_a_rank_leaves_the_group_at_once_when_its_peer_froze(tmp_path: Path) -> None:
+    """After an error a rank must not wait on a peer that froze: closing the group joins gloo's threads, which wait
+    on it for --timeout (60 s here). teardown gives up on closing and says so (False), while the peer is still
+    there: it never answered, and it ends only once rank 1 has written what teardown returned."""
+    store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=60))
+    said = tmp_path / "teardown"
+    mp.spawn(_leave_a_frozen_peer, args=(store.port, str(said)), nprocs=2, join=True)
+    del store
+    assert said.read_text() == "False"
 
 
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
