@@ -13,12 +13,12 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
-from . import atomic
+from . import atomic, interrupts
 from .errors import UserError
 from .model import ConvNet
 
@@ -89,7 +89,13 @@ def save(path: Path, payload: dict[str, Any], keep_previous: bool = False) -> No
     contents = {**payload, "format": FORMAT}
     contents.pop("digest", None)  # a loaded checkpoint saved again gets a digest of what it holds now
     contents["digest"] = digest(contents)
-    atomic.write(path, lambda f: torch.save(contents, f), keep=previous(path) if keep_previous else None)
+    atomic.write(path, lambda f: _torch_save(contents, f), keep=previous(path) if keep_previous else None)
+
+
+def _torch_save(obj: Any, f: BinaryIO) -> None:
+    """torch.save, with Ctrl-C and SIGTERM held until it returns: its pickler would swallow them (interrupts.py)."""
+    with interrupts.held():
+        torch.save(obj, f)
 
 
 def _safe_load(source: Path | io.BytesIO, name: str | Path) -> Any:
@@ -170,8 +176,8 @@ def pack(found: tuple[Path, dict[str, Any]] | None) -> bytes:
     """What `load_latest` found, as bytes for the other ranks (`Dist.from_main`): torch.save of its tensors and
     plain values (all that a weights-only load gave) and their digest, so that every rank checks what it got."""
     buffer = io.BytesIO()
-    torch.save({} if found is None else {"path": str(found[0]), "checkpoint": found[1], "digest": digest(found[1])},
-               buffer)
+    _torch_save({} if found is None else {"path": str(found[0]), "checkpoint": found[1], "digest": digest(found[1])},
+                buffer)
     return buffer.getvalue()
 
 

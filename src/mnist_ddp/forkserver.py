@@ -7,6 +7,7 @@ import multiprocessing.forkserver
 import os
 import select
 import signal
+import sys
 import threading
 import time
 
@@ -71,9 +72,13 @@ class Workers:
 
     def stop(self, grace: float) -> None:
         """SIGTERM every worker still running (which unwinds it like Ctrl-C), SIGKILL any still there after
-        `grace` seconds (stuck in a C++ call, or stopped), and return only when every one has ended."""
+        `grace` seconds (stuck in a C++ call, or stopped) with a line that names it, and return only when every
+        one has ended."""
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
             for pid in self.alive():
+                if sig == signal.SIGKILL:
+                    print(f"mnist-ddp: worker pid {pid} was still there {grace:g} s after it was told to stop; killed "
+                          f"it (SIGKILL).", file=sys.stderr, flush=True)
                 self._send(pid, sig)
             deadline = None if wait is None else time.monotonic() + wait
             while self.alive() and (deadline is None or time.monotonic() < deadline):
