@@ -17,6 +17,7 @@ from conftest import tiny
 from venvs import fresh_venv
 
 RUN_S = 180
+pytestmark = pytest.mark.timeout(900)  # the first test includes the venv's install (venvs.INSTALL_S)
 # Plots left on: without matplotlib a run says it draws none, and must still succeed.
 TINY = [arg for arg in tiny(400, 100) if arg != "--no-plots"]
 

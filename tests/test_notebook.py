@@ -137,7 +137,7 @@ def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: 
         asyncio.run(drive())
 
 
-@pytest.mark.timeout(1200)  # a fresh venv's install first
+@pytest.mark.timeout(900)  # a fresh venv's install first (venvs.INSTALL_S)
 def test_the_notebook_extra_runs_the_example_top_to_bottom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's install for notebooks, `pip install "mnist-ddp[notebook]"` (with torch) into a fresh venv and
     nothing else, runs the example notebook top to bottom in a kernel of that venv: the plots, the bar's widget
