@@ -40,6 +40,7 @@ from . import (
     heartbeat,
     identity,
     outdir,
+    recovery,
     rendezvous,
     tb,
     trainer,
@@ -102,7 +103,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            trainer.run(cfg, d)
+            trainer.run(cfg, d, recovery.for_run(ident, cfg))
             finished = True
             return 0
         except RuntimeError as e:
@@ -243,6 +244,17 @@ def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCP
     return "" if said.startswith("every rank still answers") else said
 
 
+def _running(children: mp.ProcessContext) -> list[int]:
+    return [p.sentinel for p in children.processes if p.exitcode is None]
+
+
+def _ended(children: mp.ProcessContext) -> bool | None:
+    """--recover, where a lost child does not end the job (recovery.py): False while some child runs, None once all
+    ended and some finished the run, True once all ended and none did (then the first failure is the job's)."""
+    codes = [p.exitcode for p in children.processes]
+    return False if None in codes else None if 0 in codes else True
+
+
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store. On one node the
     parent makes the job's secret and hands it to its children alone (never to the store, never to disk)."""
@@ -267,7 +279,11 @@ def spawn(cfg: TrainConfig) -> int:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
             while True:
-                multiprocessing.connection.wait(list(children.sentinels))  # a child ended; the others still run
+                multiprocessing.connection.wait(_running(children) if cfg.recover else list(children.sentinels))
+                if cfg.recover and (ended := _ended(children)) is not True:  # a lost child: the others re-form
+                    if ended is None:
+                        break
+                    continue
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)
                 if children.join(grace_period=SETTLE_S):
