@@ -9,6 +9,7 @@ generation: a store prefix of its own, ranks numbered anew in the old order.
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -37,7 +38,7 @@ class Reformed:
 
     d: Dist
     position: int  # the position (Snapshots) every survivor goes back to
-    lost: list[str]  # who was lost, in words
+    lost: list[str]  # who was lost, in words (ranks as the first world numbered them)
     generation: int
 
 
@@ -69,6 +70,7 @@ class Recovery:
     def __init__(self, ident: Identity, cfg: TrainConfig) -> None:
         self.ident, self.timeout, self.interval = ident, cfg.timeout, cfg.heartbeat
         self.generation = 0
+        self.first = list(range(ident.world_size))  # each rank's rank in the first world, what the lines name
         self.doomed = doomed_steps(os.environ, ident.rank)
         self.store: dist.Store | None = None
 
@@ -96,8 +98,9 @@ class Recovery:
         client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
         beat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank, world, self.interval,
                          store_host=None)
-        said = [f"rank {r}" + (f" ({untrusted.printable(roster[r]['host'])}, pid {roster[r]['pid']})"
+        said = [f"rank {self.first[r]}" + (f" ({untrusted.printable(roster[r]['host'])}, pid {roster[r]['pid']})"
                                if r in roster else "") for r in lost]
+        self.first = [self.first[r] for r in members]
         return Reformed(replace(d, rank=rank, world_size=world, heartbeat=beat), back_to, said, self.generation)
 
     def _agree(self, store: dist.Store, beats: Heartbeat, d: Dist, position: int) -> tuple[list[int], int, list[int]]:
@@ -111,9 +114,11 @@ class Recovery:
         while True:
             if store.check([key + "decided"]):
                 decided = _decision(store.get(key + "decided"), d.world_size)
-                if d.rank not in decided[0]:
-                    raise PresumedLost(f"rank {d.rank} was presumed lost by the other processes, which went on "
-                                       f"without it (generation {self.generation + 1}); this process stops.")
+                if d.rank not in decided[0]:  # said here: the job goes on, and its launcher reports no failure
+                    said = (f"rank {self.first[d.rank]} was presumed lost by the other processes, which went on without it "
+                            f"(generation {self.generation + 1}); this process stops.")
+                    print(f"mnist-ddp: {said}", file=sys.stderr, flush=True)
+                    raise PresumedLost(said)
                 return decided
             at = {r: _position(store.get(f"{key}at/{r}")) for r in range(d.world_size)
                   if store.check([f"{key}at/{r}"])}
