@@ -234,9 +234,7 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
             beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
         membership.wait_for_all(store, ident, creds, entry, deadline)
-        # nccl: device_id makes the communicator now, inside these clear errors, and binds barrier() to the GPU.
-        dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
-                                **({"device_id": device} if backend == "nccl" else {}))
+        form_group(backend, store, ident.rank, ident.world_size, timeout, device)
         if beat:
             beat.set_phase("setting up (data, model, checkpoint)")
         return beat
@@ -258,6 +256,14 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
         if beat:
             beat.stop("interrupted", culprit=False)
         raise
+
+
+def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: timedelta,
+               device: torch.device) -> None:
+    """`init_process_group` over `store`, where every rank is known to be in (also a re-formed group: recovery.py)."""
+    # nccl: device_id makes the communicator now, inside the callers' clear errors, and binds barrier() to the GPU.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            **({"device_id": device} if backend == "nccl" else {}))
 
 
 def _shared_gpu(ident: Identity, device: torch.device | None) -> str:

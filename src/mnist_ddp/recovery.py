@@ -93,8 +93,8 @@ class Recovery:
             d.heartbeat.stop("re-formed without the lost", culprit=False)
         self.generation += 1
         rank, world = members.index(d.rank), len(members)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"mnist_ddp/generation{self.generation}", store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=self.timeout))
+        distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", store), rank,
+                               world, timedelta(seconds=self.timeout), d.device)
         client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
         beat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank, world, self.interval,
                          store_host=None)
@@ -115,8 +115,8 @@ class Recovery:
             if store.check([key + "decided"]):
                 decided = _decision(store.get(key + "decided"), d.world_size)
                 if d.rank not in decided[0]:  # said here: the job goes on, and its launcher reports no failure
-                    said = (f"rank {self.first[d.rank]} was presumed lost by the other processes, which went on without it "
-                            f"(generation {self.generation + 1}); this process stops.")
+                    said = (f"rank {self.first[d.rank]} was presumed lost by the other processes, which went on "
+                            f"without it (generation {self.generation + 1}); this process stops.")
                     print(f"mnist-ddp: {said}", file=sys.stderr, flush=True)
                     raise PresumedLost(said)
                 return decided

@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate
+from .heartbeat import LOST_CONTACT
 from .model import ConvNet
 from .recovery import Recovery
 from .report import Reporter
@@ -291,11 +292,13 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
     trainer = Trainer(cfg, d, data, report, recovery)
+    finished = False
     try:
         result = trainer.run()
+        finished = True
     finally:  # after a recovery: the heartbeat of the last generation (the launcher stops the first's)
         if trainer.d is not d and trainer.d.heartbeat is not None:
-            trainer.d.heartbeat.stop("finished", culprit=False)
+            trainer.d.heartbeat.stop("finished" if finished else LOST_CONTACT, culprit=False)
     trainer.report.close()
     trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
     return result.accuracy
