@@ -9,6 +9,7 @@ micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
 
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mnist_ddp import checkpoint, recovery
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.errors import UserError
 from mnist_ddp.identity import Identity
+from netns import netns_pair
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 
 pytestmark = needs_proc
@@ -83,6 +85,27 @@ def test_survivors_save_the_undisturbed_runs_bytes(bitwise: dict[str, tuple[Path
     _same_record(out, calm)
     assert progress(out) == progress(calm)
     assert not _recover_lines(bitwise[str(world)][1])
+
+
+def test_two_machines_lose_a_rank_each_and_save_the_same_bytes(bitwise: dict[str, tuple[Path, str]],
+                                                               tmp_path: Path) -> None:
+    """-n 2 -g 2 on two network namespaces: rank 2 (node 1) is lost in epoch 1 and rank 0 (node 0) in epoch 2;
+    the two left, one on each machine, re-form over the veth cable and save the bytes of the undisturbed run."""
+    addrs = ("10.79.0.1", "10.79.0.2")
+    env, mark = marked_env({**ONE_THREAD, recovery.LOSE_VAR: "2:5,0:20"})
+    outs = [tmp_path / f"node{n}-disk" for n in range(2)]
+    with netns_pair(f"mrec-{uuid.uuid4().hex[:6]}", addrs) as names, reaped(mark):
+        nodes = [start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "-n", "2", "-g", "2", "-nr", str(n),
+                        "--master-addr", addrs[0], "--master-port", "29420", "--out", str(outs[n])], env, tmp_path,
+                       tmp_path / f"node{n}.log", prefix=["ip", "netns", "exec", names[n]]) for n in range(2)]
+        results = [finish(p, tmp_path / f"node{n}.log", RUN_TIMEOUT) for n, p in enumerate(nodes)]
+    for rc, log in results:
+        assert rc == 0, log
+    lines = _recover_lines(results[0][1] + results[1][1])
+    assert [line.split(" (")[0] for line in lines] == ["recover: rank 2", "recover: rank 0"], lines
+    # rank 0 was lost: the new rank 0, rank 1 on node 0, wrote the rest of --out there
+    assert checkpoint.digest(_model(outs[0])) == checkpoint.digest(_model(bitwise["4"][0]))
+    _same_record(outs[0], bitwise["4"][0])
 
 
 def test_the_runs_differ_where_they_should(bitwise: dict[str, tuple[Path, str]]) -> None:

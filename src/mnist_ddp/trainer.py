@@ -228,7 +228,7 @@ class Trainer:
         """A rank was lost: re-form with the survivors (recovery.py), go back to where the failed position began,
         and deal the run's slots over the new world (docs/design/recovery.md)."""
         assert self.snapshots is not None and self.recovery is not None
-        began, rank_was, share_was = time.perf_counter(), self.d.rank, self.share
+        began, rank_was, share_was = time.perf_counter(), self.recovery.first[self.d.rank], self.share
         new = self.recovery.reform(self.d, self.snapshots.position)
         self.d = new.d
         snap = self.snapshots.restore(new.position)
