@@ -1,7 +1,7 @@
 """--recover: a lost rank costs no step. Real -g runs in which a rank is SIGKILLed at a chosen step (the test hook
 recovery.LOSE_VAR) or frozen (SIGSTOP), against the same run undisturbed: the same saved bytes under --bitwise
 (SHA-256 of every tensor, BatchNorm's buffers included), the same weights up to float rounding without it, and the
-same epochs, samples, global batch and lr in metrics.jsonl.
+same epochs, samples, global batch and lr in metrics.jsonl; also on two machines (network namespaces).
 
 The run is test_bitwise.py's chaotic one (fp32 SGD, momentum 0.9: any deviation grows), 2 epochs of 480 images in
 micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
