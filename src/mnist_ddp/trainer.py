@@ -241,11 +241,11 @@ class Trainer:
             self.report = self.report.taken_over(self.samples_done)
         self.report.keep_epochs_before(self.t.progress.epoch)
         self.report.forget_steps_after(self.samples_done if not self.stretch.logged else self.stretch.logged[0][0] - 1)
-        p, how = self.t.progress, self.share.describe(self.cfg.recipe.batch_size)
+        p, how, many = self.t.progress, self.share.describe(self.cfg.recipe.batch_size), self.d.world_size > 1
         self.report.say(f"recover: {', '.join(new.lost)} lost at epoch {p.epoch + 1}, step {self.step_in_epoch + 1} "
-                        f"(rank {rank_was} saw: {failure}); {self.d.world_size} processes re-formed as generation "
-                        f"{new.generation} in {time.perf_counter() - began:.2f} s and go on from there"
-                        f"{': ' + how if how else ''}")
+                        f"(rank {rank_was} saw: {failure}); {self.d.world_size} process{'es' if many else ''} "
+                        f"re-formed as generation {new.generation} in {time.perf_counter() - began:.2f} s and "
+                        f"go{'' if many else 'es'} on from there{': ' + how if how else ''}")
 
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
