@@ -5,6 +5,7 @@ bytes in uint8 tensors, never pickles: JSON, or a digest-checked weights-only ch
 import gc
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .identity import Identity
 from .membership import Credentials
 
 T = TypeVar("T")
+LEAVE_S = 2.0  # after an error, how long closing the process group may take before the rank leaves it open
 MAX_SHARED = 64 * 2**20  # bytes: what one rank may send the others (a checkpoint is ~0.4 MB)
 
 
@@ -283,18 +285,28 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistNetworkError | dist.DistStoreError) or any(m in str(e) for m in _PEER_GONE)
 
 
-def teardown(together: bool) -> None:
-    """Leave the process group; called once, from a `finally`, so also after an error.
+def teardown(together: bool) -> bool:
+    """Leave the process group; called once, from a `finally`, so also after an error. Returns whether it closed.
 
     `together` (after success only): first wait for every rank, so that none closes its connections while
     another is still finishing (rank 0 writes the last checkpoint); a rank that left early made its
     peers' gloo threads abort now and then ("terminate called without an active exception").
+    Not `together` (an error, or told to stop): a peer may be gone while the group's threads still wait on it,
+    up to --timeout, and closing the group joins them. So it gets LEAVE_S; False: it is still closing, and the
+    caller must end the process with os._exit (the interpreter's own exit would join those threads too).
     """
-    if dist.is_available() and dist.is_initialized():
-        if together:
-            dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
-        # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
-        # group's gloo threads are stopped here rather than by destructors while the interpreter exits
-        # (where a still-running thread aborts the process: "terminate called without an active exception").
-        gc.collect()
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if together:
+        dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
+    # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
+    # group's gloo threads are stopped here rather than by destructors while the interpreter exits
+    # (where a still-running thread aborts the process: "terminate called without an active exception").
+    gc.collect()
+    if together:
         dist.destroy_process_group()
+        return True
+    closing = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    closing.start()
+    closing.join(LEAVE_S)
+    return not closing.is_alive()

@@ -207,16 +207,19 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
         run_worker(ident, cfg)
     except UserError as e:
         reports.put(e)
-        if isinstance(e, PeerFailure):
-            # Leave now: the interpreter's own exit would wait on gloo's threads for up to --timeout more when a
-            # peer froze, and the parent reports nothing until every child is gone. (Nothing of value is left
-            # unwritten: outputs are written whole, and the failed stretch is what --resume redoes.)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.exit_code)
-        sys.exit(e.exit_code)
+        _leave(e.exit_code)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _leave(130)
+
+
+def _leave(code: int) -> None:
+    """End a child that failed or was stopped, now: its process group may still be closing, and the interpreter's
+    own exit would wait on gloo's threads for up to --timeout when a peer froze (distributed.teardown), while the
+    parent reports nothing until every child is gone. (Nothing of value is left unwritten: outputs are written
+    whole, and the failed stretch is what --resume redoes.)"""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCPStore | None") -> str:

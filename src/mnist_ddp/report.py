@@ -1,8 +1,5 @@
-"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard.
-
-Only rank 0 reports. The other ranks get a `Reporter` with `enabled=False`, whose
-methods do nothing, so the training loop needs no `if rank == 0` branches.
-"""
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard. Only rank 0 reports:
+the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
 import json
 from collections.abc import Iterable, Iterator
