@@ -285,14 +285,15 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistNetworkError | dist.DistStoreError) or any(m in str(e) for m in _PEER_GONE)
 
 
-def teardown(together: bool) -> bool:
-    """Leave the process group; called once, from a `finally`, so also after an error. Returns whether it closed.
+def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
+    """Leave the process group; called once, from a `finally` (and by recovery.py before it re-forms), so also after
+    an error. Returns whether it closed.
 
     `together` (after success only): first wait for every rank, so that none closes its connections while
     another is still finishing (rank 0 writes the last checkpoint); a rank that left early made its
     peers' gloo threads abort now and then ("terminate called without an active exception").
     Not `together` (an error, or told to stop): a peer may be gone while the group's threads still wait on it,
-    up to --timeout, and closing the group joins them. So it gets LEAVE_S; False: it is still closing, and the
+    up to --timeout, and closing the group joins them. So it gets `leave_s`; False: it is still closing, and the
     caller must end the process with os._exit (the interpreter's own exit would join those threads too).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -308,5 +309,5 @@ def teardown(together: bool) -> bool:
         return True
     closing = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
     closing.start()
-    closing.join(LEAVE_S)
+    closing.join(leave_s)
     return not closing.is_alive()

@@ -97,13 +97,14 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any process "
                   f"that can reach {ident.master_addr}:{ident.master_port} could have joined it; give every node the "
                   f"same secret (see docs/security.md).", file=sys.stderr, flush=True)
-        finished = False
+        finished, rec = False, None
         try:
             if check_out:
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            trainer.run(cfg, d, recovery.for_run(ident, cfg))
+            rec = recovery.for_run(ident, cfg)  # --recover's, else None
+            trainer.run(cfg, d, rec)
             finished = True
             return 0
         except RuntimeError as e:
@@ -117,8 +118,11 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 ) from e
             raise
         finally:
+            words = _last_words(sys.exc_info()[1])
             if d.heartbeat:
-                d.heartbeat.stop(*_last_words(sys.exc_info()[1]))
+                d.heartbeat.stop(*words)
+            if rec:  # after a re-forming, the last generation's heartbeat
+                rec.stop(*words)
             distributed.teardown(together=finished)
 
 

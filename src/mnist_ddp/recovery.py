@@ -8,20 +8,26 @@ generation: a store prefix of its own, ranks numbered anew in the old order.
 
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
-from . import distributed, rendezvous, untrusted
+from . import distributed, regroup, rendezvous, untrusted
+from .batches import Share
 from .config import TrainConfig
 from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, Heartbeat, gone
 from .identity import Identity
+from .report import Reporter
+from .snapshot import Snapshots
+from .state import Stretch, Training
+from .steps import PartStats
 
 # Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins.
 LOSE_VAR = "MNIST_DDP_TEST_LOSE"
@@ -42,6 +48,27 @@ class Reformed:
     generation: int
 
 
+class Loop(Protocol):
+    """What a recovery reads and changes of the training loop (trainer.Trainer)."""
+
+    cfg: TrainConfig
+    d: Dist
+    t: Training
+    share: Share
+    stats: PartStats
+    stretch: Stretch
+    report: Reporter
+    snapshots: Snapshots | None
+
+    @property
+    def samples_done(self) -> int: ...
+
+    @property
+    def step_in_epoch(self) -> int: ...
+
+    def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None: ...
+
+
 def beats_prefix(generation: int) -> str:
     return BEATS_PREFIX if generation == 0 else f"{BEATS_PREFIX}/generation{generation}"
 
@@ -59,13 +86,13 @@ def for_run(ident: Identity, cfg: TrainConfig) -> "Recovery | None":
 
 
 def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> set[int]:
-    """The steps done after which this rank kills itself (`LOSE_VAR`; tests only)."""
+    """The steps done after which this rank kills itself (`LOSE_VAR`; tests only: snapshot.Snapshots.take)."""
     pairs = [item.split(":") for item in env.get(LOSE_VAR, "").split(",") if item.strip()]
     return {int(step) for r, step in pairs if int(r) == rank}
 
 
 class Recovery:
-    """One rank's side of in-place recovery: the test hook at step boundaries, and `reform` after a failure."""
+    """One rank's side of in-place recovery: `recover` after a failure, and the heartbeat of its last generation."""
 
     def __init__(self, ident: Identity, cfg: TrainConfig) -> None:
         self.ident, self.timeout, self.interval = ident, cfg.timeout, cfg.heartbeat
@@ -73,16 +100,42 @@ class Recovery:
         self.first = list(range(ident.world_size))  # each rank's rank in the first world, what the lines name
         self.doomed = doomed_steps(os.environ, ident.rank)
         self.store: dist.Store | None = None
+        self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
 
-    def boundary(self, steps_done: int) -> None:
-        """Where a step begins; `LOSE_VAR` ends this process here, as a lost machine would."""
-        if steps_done in self.doomed:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def recover(self, loop: Loop, failure: str) -> None:
+        """A rank was lost: re-form with the survivors, go back to where the failed position began, and deal the
+        run's slots over the new world (docs/design/recovery.md)."""
+        assert loop.snapshots is not None
+        began, rank_was, share_was = time.perf_counter(), self.first[loop.d.rank], loop.share
+        new = self.reform(loop.d, loop.snapshots.position)
+        loop.d = new.d
+        snap = loop.snapshots.restore(new.position)
+        loop.stats.sets, loop.stretch = snap.sets, snap.stretch
+        parts = regroup.batchnorm_sets(loop.stats, share_was, loop.d, snap.known)
+        loop._deal(Share(slots=share_was.slots, world=loop.d.world_size, whole=loop.cfg.bitwise), parts)
+        loop.stretch = regroup.carried(loop.stretch, loop.d)
+        if loop.d.is_main and not loop.report.enabled:  # rank 0 was lost: this process reports from now on
+            loop.report = loop.report.taken_over(loop.samples_done)
+        loop.report.keep_epochs_before(loop.t.progress.epoch)
+        loop.report.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
+        p, how, many = loop.t.progress, loop.share.describe(loop.cfg.recipe.batch_size), loop.d.world_size > 1
+        loop.report.say(f"recover: {', '.join(new.lost)} lost at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1} "
+                        f"(rank {rank_was} saw: {failure}); {loop.d.world_size} process{'es' if many else ''} "
+                        f"re-formed as generation {new.generation} in {time.perf_counter() - began:.2f} s and "
+                        f"go{'' if many else 'es'} on from there{': ' + how if how else ''}")
+
+    def stop(self, left: str, culprit: bool) -> None:
+        """Stop the heartbeat of the last generation, if the run re-formed (`Heartbeat.stop`)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(left, culprit)
 
     def reform(self, d: Dist, position: int) -> Reformed:
         """Leave the broken group, agree with the other survivors, join the next generation's group."""
         backend = dist.get_backend()
-        distributed.teardown(together=False)  # closes this rank's connections: a survivor waiting on it hears now
+        # Closes this rank's connections, so a survivor waiting on it hears now; a new group needs the old one gone.
+        if not distributed.teardown(together=False, leave_s=self.timeout):
+            raise PeerFailure(f"rank {d.rank} could not leave the broken process group within --timeout "
+                              f"{self.timeout:g} s; run again with --resume.")
         if self.store is None:
             self.store = rendezvous.connect(self.ident, timedelta(seconds=self.timeout), joining=False)
         store = self.store
@@ -96,8 +149,8 @@ class Recovery:
         distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", store), rank,
                                world, timedelta(seconds=self.timeout), d.device)
         client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-        beat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank, world, self.interval,
-                         store_host=None)
+        beat = self.heartbeat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank, world,
+                                          self.interval, store_host=None)
         said = [f"rank {self.first[r]}" + (f" ({untrusted.printable(roster[r]['host'])}, pid {roster[r]['pid']})"
                                if r in roster else "") for r in lost]
         self.first = [self.first[r] for r in members]

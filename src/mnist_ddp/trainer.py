@@ -1,12 +1,5 @@
-"""The training loop: one code path for one process and for any number of DDP ranks.
-
-Every rank runs `run`; the launcher has already joined the process group (distributed.join) and leaves it
-afterwards. Each epoch: `set_epoch` (every rank draws the same new shuffle and takes its shard), a training
-step per batch (steps.train_step: DDP all-reduces the gradients inside backward), then the ranks' loss sums
-added up (`_fold`), an evaluation whose counts are all-reduced (evaluation.py), and rank 0's checkpoint and
-report (state.save, report.py). Stopping early (divergence, --target-accuracy) is decided from numbers every
-rank shares, so all ranks stop at the same step.
-"""
+"""The training loop: one code path for one process and for any number of DDP ranks (every rank runs `run`;
+docs/reading-the-code.md walks through an epoch)."""
 
 import math
 import time
@@ -16,13 +9,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, distributed, divergence, reduction, regroup, rendezvous, schedule, state, summary
+from . import compute, datasets, ddp, distributed, divergence, reduction, rendezvous, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate
-from .heartbeat import LOST_CONTACT
 from .model import ConvNet
 from .recovery import Recovery
 from .report import Reporter
@@ -38,33 +30,26 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, report: Reporter,
                  recovery: Recovery | None = None) -> None:
         self.cfg, self.d, self.data, self.report, self.recovery = cfg, d, data, report, recovery
-        r = cfg.recipe
-        self.amp = compute.amp_for(r.amp, d.device)
+        self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
-        self._test_batches()
         model = ConvNet().to(d.device)  # the plain ConvNet: what is evaluated and saved
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        opt, self.schedule = schedule.build_optimizer(r, model)
+        opt, self.schedule = schedule.build_optimizer(cfg.recipe, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
-        self.snapshots = Snapshots(self.t) if recovery else None  # --recover: where each step began
+        self.snapshots = Snapshots(self.t, recovery.doomed) if recovery else None  # --recover: where each step began
+        self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
         self._deal(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
 
-    def _test_batches(self) -> None:
-        d = self.d
-        self.test_batches = ShardedBatches(self.data.test.images, self.data.test.labels, self.cfg.eval_batch_size,
-                                           shuffle=False, pad=False, rank=d.rank, world=d.world_size, device=d.device,
-                                           normalize=self.cfg.recipe.normalize, channels_last=self.channels_last)
-
     def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None:
-        """Deal the run's M slots over this world: this rank's batches, its BatchNorm sets and the reduction.
-        Where each rank trains one whole slot (W = M) the step is the textbook's."""
-        cfg, r, d, train = self.cfg, self.cfg.recipe, self.d, self.data.train
+        """Deal the run's M slots over this world: this rank's batches (and test shard), its BatchNorm sets and the
+        reduction. Where each rank trains one whole slot (W = M) the step is the textbook's."""
+        cfg, r, d, train, test = self.cfg, self.cfg.recipe, self.d, self.data.train, self.data.test
         ddp.check_sync_bn(cfg.sync_bn, share)
         self.share = share
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
@@ -73,10 +58,11 @@ class Trainer:
             ShardedBatches(train.images, train.labels, r.batch_size, rank=d.rank, world=d.world_size, shuffle=True,
                            seed=cfg.seed, **how) if self.textbook else
             StepBatches(train.images, train.labels, r.batch_size, share, rank=d.rank, seed=cfg.seed, **how))
+        self.test_batches = ShardedBatches(test.images, test.labels, cfg.eval_batch_size, rank=d.rank,
+                                           world=d.world_size, shuffle=False, pad=False, **how)
         self.stats = PartStats(self.t.model, share, d.rank, saved_stats)
         self.reduction = reduction.for_run(cfg.bitwise, self.t.model, share, d.rank)
-        if self.recovery and isinstance(self.reduction, reduction.SlotReduction):
-            # every part's BatchNorm set survives a lost rank
+        if self.recovery and isinstance(self.reduction, reduction.SlotReduction):  # --recover keeps every part's set
             self.reduction.carry_sets(self.stats.held, sum(b.numel() for b in self.stats.live))
 
     def run(self) -> EvalResult:
@@ -91,13 +77,10 @@ class Trainer:
         self.profiler.watch(self.reduction)
         net = self._wrap()
         result = None
-        clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start: across a recovery inside it
         while (epoch := self.t.progress.epoch) < self.cfg.recipe.epochs:
-            if clock[0] != epoch:
-                clock = (epoch, self.t.progress.seen, time.perf_counter())
             try:
-                result = self._epoch(net, epoch, *clock[1:])
-            except RuntimeError as e:
+                result = self._epoch(net, epoch)
+            except RuntimeError as e:  # --recover: a lost rank's peers re-form and redo the step (recovery.py)
                 if self.recovery is None or not distributed.is_peer_failure(e):
                     raise
                 failure = rendezvous.error_summary(e)
@@ -106,8 +89,8 @@ class Trainer:
                     self.target_outcome = "reached"
                     return result
                 continue
-            del net  # the broken group's DDP wrapper goes before the group does
-            self._recover(failure)
+            del net  # the broken group's DDP wrapper goes before the group (out here: the error's frames hold it)
+            self.recovery.recover(self, failure)
             net = self._wrap()
         if self.cfg.target_accuracy is not None:
             self.target_outcome = "missed"
@@ -120,8 +103,11 @@ class Trainer:
         return ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
                         accumulating=self.share.parts > self.share.world, hook=hook)
 
-    def _epoch(self, net: nn.Module, epoch: int, seen_before: int, start: float) -> EvalResult:
-        """Train the rest of `epoch` (begun at `start` with `seen_before` samples), evaluate, record, save."""
+    def _epoch(self, net: nn.Module, epoch: int) -> EvalResult:
+        """Train the rest of `epoch`, evaluate, record, save."""
+        if self.clock[0] != epoch:
+            self.clock = (epoch, self.t.progress.seen, time.perf_counter())
+        _, seen_before, start = self.clock
         self.train_batches.set_epoch(epoch, start=self.t.progress.consumed)
         seconds = self._train_epoch(net, epoch, start)
         result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
@@ -135,15 +121,14 @@ class Trainer:
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
-        """Train one epoch from `progress.consumed` on; returns the seconds since it `began` (a recovery inside it
-        included)."""
+        """Train one epoch from `progress.consumed` on; returns the seconds since it `began`."""
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
         self.stats.train()
         for batch in self.report.bar(batches, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
             if self.snapshots:  # --recover: the state this step starts from
-                self._boundary(step=True)
+                self.snapshots.take(self.stats, self.stretch, self.reduction.sets, step=self.steps_done)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
@@ -152,8 +137,9 @@ class Trainer:
             self.stretch.seen += here
             self.stretch.samples += samples
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
-            if self.steps_done % cfg.log_every == 0:
-                self._log_step(step_loss.mul(here), samples)
+            if self.steps_done % cfg.log_every == 0:  # kept on the device; the next fold adds it up over the ranks
+                self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], step_loss.mul(here),
+                                            samples))
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
                 self._save(self.ckpt_path)
@@ -162,13 +148,6 @@ class Trainer:
         self._fold()
         compute.sync(d.device)
         return time.perf_counter() - began
-
-    def _boundary(self, step: bool) -> None:
-        """--recover: a position begins (a step, or a fold); keep the state it starts from."""
-        assert self.snapshots is not None and self.recovery is not None
-        self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
-        if step:
-            self.recovery.boundary(self.steps_done)
 
     def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> torch.Tensor:
         """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
@@ -202,15 +181,11 @@ class Trainer:
         """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis."""
         return self.t.progress.epoch * len(self.data.train.labels) + self.t.progress.consumed
 
-    def _log_step(self, loss_sum: torch.Tensor, samples: int) -> None:
-        """Keep this step's loss sum (on the device) and lr; the next `_fold` adds them up over the ranks."""
-        self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], loss_sum, samples))
-
     def _fold(self) -> None:
         """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
         count, kept step losses and count of non-finite numbers, in one all-reduce; stop if the run diverged."""
-        if self.snapshots:
-            self._boundary(step=False)
+        if self.snapshots:  # --recover: the state this fold starts from
+            self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
         s = self.stretch
         self.stats.average(self.steps_done)
         totals = self.d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=self.d.device),
@@ -223,29 +198,6 @@ class Trainer:
         self.stretch = Stretch(torch.zeros((), device=self.d.device))
         divergence.check(math.isfinite(p.loss_sum) and not totals[2], self.t.scaler, p.epoch + 1, self.step_in_epoch,
                          self.t.opt.param_groups[0]["lr"], self.cfg.recipe.lr)
-
-    def _recover(self, failure: str) -> None:
-        """A rank was lost: re-form with the survivors (recovery.py), go back to where the failed position began,
-        and deal the run's slots over the new world (docs/design/recovery.md)."""
-        assert self.snapshots is not None and self.recovery is not None
-        began, rank_was, share_was = time.perf_counter(), self.recovery.first[self.d.rank], self.share
-        new = self.recovery.reform(self.d, self.snapshots.position)
-        self.d = new.d
-        snap = self.snapshots.restore(new.position)
-        self.stats.sets, self.stretch = snap.sets, snap.stretch
-        parts = regroup.batchnorm_sets(self.stats, share_was, self.d, snap.known)
-        self._deal(Share(slots=share_was.slots, world=self.d.world_size, whole=self.cfg.bitwise), parts)
-        self.stretch = regroup.carried(self.stretch, self.d)
-        self._test_batches()
-        if self.d.is_main and not self.report.enabled:  # rank 0 was lost: this process reports from now on
-            self.report = self.report.taken_over(self.samples_done)
-        self.report.keep_epochs_before(self.t.progress.epoch)
-        self.report.forget_steps_after(self.samples_done if not self.stretch.logged else self.stretch.logged[0][0] - 1)
-        p, how, many = self.t.progress, self.share.describe(self.cfg.recipe.batch_size), self.d.world_size > 1
-        self.report.say(f"recover: {', '.join(new.lost)} lost at epoch {p.epoch + 1}, step {self.step_in_epoch + 1} "
-                        f"(rank {rank_was} saw: {failure}); {self.d.world_size} process{'es' if many else ''} "
-                        f"re-formed as generation {new.generation} in {time.perf_counter() - began:.2f} s and "
-                        f"go{'' if many else 'es'} on from there{': ' + how if how else ''}")
 
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
@@ -292,13 +244,7 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
                f"from {data.where}")
     trainer = Trainer(cfg, d, data, report, recovery)
-    finished = False
-    try:
-        result = trainer.run()
-        finished = True
-    finally:  # after a recovery: the heartbeat of the last generation (the launcher stops the first's)
-        if trainer.d is not d and trainer.d.heartbeat is not None:
-            trainer.d.heartbeat.stop("finished" if finished else LOST_CONTACT, culprit=False)
+    result = trainer.run()
     trainer.report.close()
     trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
     return result.accuracy
