@@ -33,6 +33,6 @@ def carried(s: Stretch, d: Dist) -> Stretch:
     totals = d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=s.loss_sum.device),
                                     *(loss.float() for _, _, loss, _ in s.logged)]))
     scale = s.samples / max(float(totals[1]), 1.0)
-    mine = totals.mul(scale) if d.is_main else torch.zeros_like(totals)
-    logged = [(done, lr, loss, n) for (done, lr, _, n), loss in zip(s.logged, mine[2:])]
-    return Stretch(mine[0].clone(), s.samples if d.is_main else 0, s.samples, logged)
+    mine = totals.mul(scale) if d.is_main else totals.new_zeros(totals.shape)
+    return Stretch(mine[0].clone(), s.samples if d.is_main else 0, s.samples,
+                   [(done, lr, loss, n) for (done, lr, _, n), loss in zip(s.logged, mine[2:])])
