@@ -120,6 +120,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--heartbeat", type=float, default=default(TrainConfig, "heartbeat"),
                    help="seconds between each rank's beats to the rendezvous store, so that a timeout names the rank "
                         "that stopped answering (default %(default)s; 0: off)")
+    g.add_argument("--recover", action="store_true",
+                   help="when a process is lost, the others re-form without it and train on, losing no step "
+                   "(mnist-ddp's own launcher: -g, -n/-nr; see docs/faults.md)")
     g = p.add_argument_group("recipe (unset knobs come from --recipe)")
     g.add_argument("--recipe", default="default", choices=RECIPES,
                    help="default: AdamW + one-cycle, ~99%% MNIST in 2 epochs; tutorial: SGD lr 1e-4, as the tutorial")
@@ -244,8 +247,8 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=addr, master_port=port,
         secret=read_secret(a.secret_file, os.environ), device=a.device, backend=a.backend, timeout=a.timeout,
-        heartbeat=a.heartbeat, recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}),
-        seed=a.seed,
+        heartbeat=a.heartbeat, recover=a.recover, recipe_name=a.recipe,
+        recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,

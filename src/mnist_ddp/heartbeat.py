@@ -54,6 +54,11 @@ def _fate(beat: dict) -> str:
             "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
 
 
+def gone(beat: dict) -> bool:
+    """Whether the process that published `beat` is known to have ended: it ran on this machine and /proc says so."""
+    return beat["node"] == _node() and _fate(beat).startswith("gone")
+
+
 def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
     """`fn()`, or None if it raised a store error or did not return within `seconds`: a TCPStore call may wait
     for a frozen host without end (docs/design/heartbeat.md)."""
@@ -137,6 +142,10 @@ class Heartbeat:
             _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
         if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
+
+    def beats(self) -> dict[int, dict]:
+        """Every rank's last readable record (recovery.py tells the silent ranks by it)."""
+        return self._read()[0]
 
     def _read(self) -> tuple[dict[int, dict], dict[int, str]]:
         """Every rank's last record (ranks that never beat are missing), and why those that are not a beat of

@@ -62,6 +62,16 @@ class Reporter:
             return iter(items)
         return console.bar(items, total, desc, initial)
 
+    def taken_over(self, samples: int) -> "Reporter":
+        """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay."""
+        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard)
+        new.begin(samples)
+        return new
+
+    def forget_steps_after(self, samples: int) -> None:
+        """Drop logged steps after `samples` training samples: they are trained again."""
+        self.logged = [point for point in self.logged if point["samples"] <= samples]
+
     def keep_epochs_before(self, epoch: int) -> None:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
         if not (self.enabled and self.metrics_path.exists()):

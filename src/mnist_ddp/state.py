@@ -2,7 +2,7 @@
 
 The file itself (atomic writes, the digest, the safe loader) is checkpoint.py's."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,20 @@ class Progress:
     loss_sum: float = 0.0  # over all ranks, for the current epoch so far
     seen: int = 0  # training images over all ranks, current epoch so far
     best_accuracy: float = -1.0
+
+
+@dataclass
+class Stretch:
+    """What a rank adds up between two folds (trainer.Trainer._fold)."""
+
+    loss_sum: torch.Tensor  # this rank's, on the device (no sync per step)
+    seen: int = 0  # this rank's samples
+    samples: int = 0  # the whole steps' samples, all ranks'
+    # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step
+    logged: list[tuple[int, float, torch.Tensor, int]] = field(default_factory=list)
+
+    def copy(self) -> "Stretch":
+        return Stretch(self.loss_sum.clone(), self.seen, self.samples, list(self.logged))
 
 
 @dataclass
