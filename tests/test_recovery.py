@@ -9,6 +9,8 @@ micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
 
 import os
 import signal
+import socket
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -162,3 +164,40 @@ def test_recover_is_refused_where_the_store_dies_with_a_rank(launcher: str) -> N
     with pytest.raises(UserError, match=f"--recover needs mnist-ddp's own launcher .* under {launcher}"):
         recovery.for_run(ident, TrainConfig(recover=True))
     assert recovery.for_run(ident, TrainConfig()) is None
+
+
+def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
+    """-n 2 -g 1 on loopback: node 1's rank is lost at step 7 and node 1 is started again with the same command;
+    it checks in, joins where step 41 begins (recovery.JOIN_VAR holds the run there for it), gets rank 0's state
+    as bytes, and the run ends with the undisturbed run's bytes, at world 1 in epoch 1 and 2 in epoch 2."""
+    calm, other = tmp_path / "calm", tmp_path / "other"
+    _train(calm, *ARGS, "--bitwise", "-g", "2")
+    _train(other, *ARGS, "--bitwise")  # the control: one process, M = 1, another run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
+    outs = [tmp_path / f"node{n}" for n in range(2)]
+
+    def node(n: int, log: str, **extra: str) -> subprocess.Popen:
+        return start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "--timeout", "120", "-n", "2", "-g", "1",
+                      "-nr", str(n), "--master-addr", "127.0.0.1", "--master-port", port, "--out", str(outs[n])],
+                     {**env, **extra}, tmp_path, tmp_path / log)
+    with reaped(mark):
+        first = node(0, "node0.log", **{recovery.JOIN_VAR: "40"})
+        lost = node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"})
+        rc, said = finish(lost, tmp_path / "lost.log", RUN_TIMEOUT)
+        assert rc != 0, said
+        replacement = node(1, "replacement.log")
+        results = [finish(p, tmp_path / log, RUN_TIMEOUT) for p, log in ((first, "node0.log"),
+                                                                         (replacement, "replacement.log"))]
+    for rc, log in results:
+        assert rc == 0, log
+    lines = _recover_lines(results[0][1])
+    assert [line.split(" (")[0].split(";")[0] for line in lines] == [
+        "recover: rank 1", "recover: rank 1 joined at epoch 2, step 11"], lines
+    assert checkpoint.digest(_model(outs[0])) == checkpoint.digest(_model(calm))
+    assert checkpoint.digest(_model(other)) != checkpoint.digest(_model(calm))
+    assert [m["world_size"] for m in metrics(outs[0])] == [1, 2]
+    assert [m["world_size"] for m in metrics(calm)] == [2, 2]
+    _same_record(outs[0], calm)

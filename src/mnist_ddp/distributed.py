@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import errors, membership, rendezvous, untrusted
 from .errors import UserError
-from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat
+from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat, beats_prefix
 from .identity import Identity
 from .membership import Credentials
 
@@ -88,6 +88,7 @@ class Dist:
     device: torch.device
     run_id: str = ""  # torchrun's job id (TORCHELASTIC_RUN_ID), recorded in checkpoints
     heartbeat: Heartbeat | None = None  # None: one process, or --heartbeat 0
+    entry: membership.Entry | None = None  # its admission: rank 0 admits replacements with its nonce (recovery.py)
 
     def set_phase(self, phase: str, epoch: int = 0, step: int = 0) -> None:
         """Say what this rank is doing, for a peer's timeout message to name (heartbeat.py); no I/O."""
@@ -209,20 +210,23 @@ def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s:
     for CUDA, gloo otherwise)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    beat = None
-    if ident.world_size > 1:
-        if device.type == "mps":
-            raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-        beat = join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
-                    heartbeat_s, creds or Credentials(), device)
-    return Dist(ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, device, ident.run_id, beat)
+    if ident.world_size == 1:
+        return Dist(0, ident.local_rank, 1, ident.local_world_size, device, ident.run_id)
+    if device.type == "mps":
+        raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
+    beat, entry = join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
+                       heartbeat_s, creds or Credentials(), device)
+    where = entry.placed  # a replacement joins the running job's world (recovery.py)
+    return Dist(where.rank if where else ident.rank, ident.local_rank, len(where.members) if where else
+                ident.world_size, ident.local_world_size, device, ident.run_id, beat, entry)
 
 
 def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, creds: Credentials,
-         device: torch.device) -> Heartbeat | None:
+         device: torch.device) -> tuple[Heartbeat | None, membership.Entry]:
     """Join the job's process group: the store, check in (membership.py: every rank proven one of the job's),
-    start beating (heartbeat.py), wait for every rank, `init_process_group`. Returns the heartbeat (None: off).
-    Any failure is one sentence that says who or what was missing."""
+    start beating (heartbeat.py), wait for every rank, `init_process_group` (a replacement: the running job's
+    generation). Returns the heartbeat (None: off) and the admission. Any failure is one sentence that says who
+    or what was missing."""
     os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
     if backend == "nccl":
         os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
@@ -236,10 +240,18 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
             beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
         membership.wait_for_all(store, ident, creds, entry, deadline)
-        form_group(backend, store, ident.rank, ident.world_size, timeout, device)
+        if where := membership.placement(store, creds, entry):
+            entry = replace(entry, placed=where)
+            if beat:
+                beat.stop("joined the running job's generation", culprit=False)
+                beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
+                                 len(where.members), heartbeat_s, store_host=None)
+            store = dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
+        form_group(backend, store, where.rank if where else ident.rank, len(where.members) if where else
+                   ident.world_size, timeout, device)
         if beat:
             beat.set_phase("setting up (data, model, checkpoint)")
-        return beat
+        return beat, entry
     except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
         who = beat.diagnose() if beat else ""
         if beat:

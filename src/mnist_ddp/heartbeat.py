@@ -19,6 +19,13 @@ T = TypeVar("T")
 BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
 BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
 LOST_CONTACT = "lost contact"  # the last words of a survivor
+
+
+def beats_prefix(generation: int) -> str:
+    """Where the beats of a world re-formed by --recover (generation ≥ 1) are kept."""
+    return BEATS_PREFIX if generation == 0 else f"{BEATS_PREFIX}/generation{generation}"
+
+
 # What a beat holds (`Heartbeat._beat`); a record without these, of these types, is no beat of ours.
 BEAT = {"host": str, "pid": int, "node": str, "start": str, "seq": int, "doing": str, "left": (str, type(None)),
         "culprit": bool}

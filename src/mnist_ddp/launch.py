@@ -103,7 +103,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            rec = recovery.for_run(ident, cfg)  # --recover's, else None
+            rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
             trainer.run(cfg, d, rec)
             finished = True
             return 0

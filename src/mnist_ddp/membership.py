@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ NONCE = "mnist_ddp/nonce"  # rank 0's challenge, 32 hex digits
 CHECKINS = "mnist_ddp/checkins"  # the tokens of the check-ins so far, one per line, appended by each candidate
 ADMITTED = "mnist_ddp/admitted"  # the ranks admitted so far, for a waiting rank's timeout message only
 CHECKIN, VERDICT, WELCOME = "mnist_ddp/checkin/", "mnist_ddp/verdict/", "mnist_ddp/welcome/"  # + a token
+PLACE = "mnist_ddp/place/"  # + a replacement's token: the re-formed world it joins (recovery.py)
 _HEX32 = re.compile(rb"[0-9a-f]{32}")
 MAX_CHECKIN = 16384  # bytes: a real check-in is a few hundred
 RELIST_S = 2.0  # a candidate without an answer lists its token again (a stray write may have erased the list)
@@ -88,11 +89,58 @@ def _sign(c: CheckIn, secret: bytes) -> str:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a replacement joins a running job (recovery.py): the generation, its rank there, and the members
+    (as the first world numbered them) in their new order."""
+
+    generation: int
+    rank: int
+    members: list[int]
+
+
+@dataclass(frozen=True)
 class Entry:
     """This rank's admission: the nonce it answered and, for ranks above 0, its check-in's token."""
 
     nonce: str
     token: str | None  # None: this process is the job's rank 0, which admits the others
+    placed: Placement | None = None  # a replacement admitted into a running job
+
+
+def admit_late(store: dist.Store, world: int, creds: Credentials, nonce: str, present: list[int]) -> dict[int, str]:
+    """Rank 0 of a running job: answer the check-ins listed since it began, admitting one per rank not `present`
+    (a replacement of a lost rank); rank -> token of those admitted. Welcome them with `place`."""
+    admission = _Admission(store, world, creds, nonce, present)
+    for raw in dict.fromkeys(_HEX32.findall(_read(store, CHECKINS))):
+        token = raw.decode()
+        if not store.check([VERDICT + token]) and (answer := admission._answer(token)):
+            store.set(VERDICT + token, answer)
+    return {rank: token for rank, (token, _) in admission.admitted.items()}
+
+
+def place(store: dist.Store, creds: Credentials, entry: Entry, rank: int, token: str, where: Placement) -> None:
+    """Tell the admitted replacement `rank` (its check-in `token`) where it joins, then welcome it."""
+    store.set(PLACE + token, json.dumps({**asdict(where), "mac": _mac(creds.secret, "place", entry.nonce, token,
+                                                                      asdict(where))}))
+    store.set(WELCOME + token, _mac(creds.secret, "welcome", entry.nonce, token, rank))
+
+
+def placement(store: dist.Store, creds: Credentials, entry: Entry) -> Placement | None:
+    """Where this welcomed rank joins: None in the job's first world, else the running job's word for it (its MAC
+    checked: anyone can write the store)."""
+    if entry.token is None or not store.check([PLACE + entry.token]):
+        return None
+    try:
+        d = untrusted.record(store.get(PLACE + entry.token), {"generation": int, "rank": int, "members": list,
+                                                              "mac": str})
+        where = Placement(d["generation"], d["rank"], d["members"])
+        if not all(isinstance(r, int) for r in where.members) or not 0 <= where.rank < len(where.members):
+            raise ValueError("not ranks")
+    except (ValueError, KeyError) as e:
+        raise Refused(f"the running job's word on where this process joins is unreadable ({e}).") from None
+    if not hmac.compare_digest(d["mac"], _mac(creds.secret, "place", entry.nonce, entry.token, asdict(where))):
+        raise Refused("the word on where this process joins was not written by the job (its MAC does not match).")
+    return where
 
 
 def check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: float) -> Entry:
@@ -112,7 +160,7 @@ def check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: f
 def wait_for_all(store: dist.Store, ident: Identity, creds: Credentials, entry: Entry, deadline: float) -> None:
     """Return once every rank of the job is in (rank 0 admits them here); TimeoutError names the ranks missing."""
     if entry.token is None:
-        _Admission(store, ident, creds, entry.nonce).run(deadline)
+        _Admission(store, ident.world_size, creds, entry.nonce).run(deadline)
         return
     welcome = _mac(creds.secret, "welcome", entry.nonce, entry.token, ident.rank)
     _wait(lambda: _read(store, WELCOME + entry.token) == welcome.encode() or None, deadline,
@@ -146,8 +194,9 @@ def _check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: 
 class _Admission:
     """Rank 0's side: admit one valid check-in per rank, refuse the rest, then welcome the admitted."""
 
-    def __init__(self, store: dist.Store, ident: Identity, creds: Credentials, nonce: str) -> None:
-        self.store, self.world, self.creds, self.nonce = store, ident.world_size, creds, nonce
+    def __init__(self, store: dist.Store, world: int, creds: Credentials, nonce: str,
+                 present: Collection[int] = ()) -> None:
+        self.store, self.world, self.creds, self.nonce, self.present = store, world, creds, nonce, present
         self.admitted: dict[int, tuple[str, CheckIn]] = {}  # rank -> (token, check-in)
         self.answers: dict[str, bytes] = {}  # token -> verdict (b"": listed without a check-in, nobody to answer)
         self.refusals = 0
@@ -179,6 +228,8 @@ class _Admission:
             return b""
         c = CheckIn.parse(self.store.get(CHECKIN + token))
         reason = _reason(c, self.nonce, self.creds, self.world, self.admitted)
+        if c is not None and reason is None and c.rank in self.present:  # a running job: admit_late
+            reason = f"rank {c.rank} is still in the job"
         if c is not None and reason is None:
             self.admitted[c.rank] = (token, c)
             self.store.set(ADMITTED, ",".join(map(str, sorted([0, *self.admitted]))))

@@ -3,7 +3,8 @@ on from the step that failed (docs/design/recovery.md). Entered only on a failur
 
 `Recovery.reform` leaves the broken group, agrees through the store on who is left (a rank that neither checks in
 nor beats is lost) and on the position every survivor can go back to, and joins the survivors' group of the next
-generation: a store prefix of its own, ranks numbered anew in the old order.
+generation: a store prefix of its own, ranks numbered anew in the old order. While the world is smaller than the
+first, `take_in` lets a replacement of a lost rank join at a step boundary (`grow`): the world grows back.
 """
 
 import json
@@ -12,26 +13,38 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import distributed, regroup, rendezvous, untrusted
+from . import checkpoint, distributed, membership, regroup, rendezvous, untrusted
 from .batches import Share
-from .config import TrainConfig
+from .config import TrainConfig, run_settings
 from .distributed import Dist, PeerFailure
 from .errors import UserError
-from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, Heartbeat, gone
+from .heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from .identity import Identity
 from .report import Reporter
 from .snapshot import Snapshots
-from .state import Stretch, Training
+from .state import Progress, Stretch, Training
 from .steps import PartStats
 
 # Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins.
 LOSE_VAR = "MNIST_DDP_TEST_LOSE"
+# Tests only: "S": where step S + 1 begins, a smaller world waits (up to --timeout) for a replacement to check in.
+JOIN_VAR = "MNIST_DDP_TEST_JOIN"
+JOIN_EVERY = 10  # steps: how often a world smaller than the first looks for a replacement (rank 0, in the store)
 POLL_S = 0.02
+
+
+class Grow(Exception):
+    """Replacements were admitted at this step boundary: (first-world rank, check-in token) of each."""
+
+    def __init__(self, joiners: list[tuple[int, str]]) -> None:
+        super().__init__(joiners)
+        self.joiners = joiners
 
 
 class PresumedLost(PeerFailure):
@@ -66,14 +79,13 @@ class Loop(Protocol):
     @property
     def step_in_epoch(self) -> int: ...
 
+    @property
+    def steps_done(self) -> int: ...
+
     def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None: ...
 
 
-def beats_prefix(generation: int) -> str:
-    return BEATS_PREFIX if generation == 0 else f"{BEATS_PREFIX}/generation{generation}"
-
-
-def for_run(ident: Identity, cfg: TrainConfig) -> "Recovery | None":
+def for_run(ident: Identity, cfg: TrainConfig, d: Dist | None = None) -> "Recovery | None":
     """The run's recovery, or None without --recover; refused where the store dies with a rank or a launcher
     restarts the ranks itself."""
     if not cfg.recover or ident.world_size == 1:
@@ -82,7 +94,7 @@ def for_run(ident: Identity, cfg: TrainConfig) -> "Recovery | None":
         raise UserError(f"--recover needs mnist-ddp's own launcher (-g, or -n/-g/-nr), whose launching process "
                         f"holds the store a lost rank's peers meet at again; under {ident.launcher} use its own "
                         f"restarts with --resume (docs/faults.md).")
-    return Recovery(ident, cfg)
+    return Recovery(ident, cfg, d)
 
 
 def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> set[int]:
@@ -94,11 +106,16 @@ def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> set[int]:
 class Recovery:
     """One rank's side of in-place recovery: `recover` after a failure, and the heartbeat of its last generation."""
 
-    def __init__(self, ident: Identity, cfg: TrainConfig) -> None:
-        self.ident, self.timeout, self.interval = ident, cfg.timeout, cfg.heartbeat
-        self.generation = 0
-        self.first = list(range(ident.world_size))  # each rank's rank in the first world, what the lines name
+    def __init__(self, ident: Identity, cfg: TrainConfig, d: Dist | None = None) -> None:
+        self.ident, self.timeout, self.interval, self.bitwise = ident, cfg.timeout, cfg.heartbeat, cfg.bitwise
+        self.entry = d.entry if d else None  # its admission: the nonce a replacement answers
+        placed = self.entry.placed if self.entry else None  # this process replaces a lost rank
+        self.creds = membership.Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
+        self.generation, self.joining = (placed.generation, True) if placed else (0, False)
+        # each rank's rank in the first world, what the lines name
+        self.first = list(placed.members) if placed else list(range(ident.world_size))
         self.doomed = doomed_steps(os.environ, ident.rank)
+        self.await_at = int(os.environ.get(JOIN_VAR) or -1)
         self.store: dist.Store | None = None
         self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
 
@@ -136,25 +153,105 @@ class Recovery:
         if not distributed.teardown(together=False, leave_s=self.timeout):
             raise PeerFailure(f"rank {d.rank} could not leave the broken process group within --timeout "
                               f"{self.timeout:g} s; run again with --resume.")
-        if self.store is None:
-            self.store = rendezvous.connect(self.ident, timedelta(seconds=self.timeout), joining=False)
-        store = self.store
+        store = self._store()
         beats = Heartbeat.reader(dist.PrefixStore(beats_prefix(self.generation), store), d.world_size, self.interval)
         members, back_to, lost = self._agree(store, beats, d, position)
         roster = beats.beats()
-        if d.heartbeat is not None:
-            d.heartbeat.stop("re-formed without the lost", culprit=False)
-        self.generation += 1
-        rank, world = members.index(d.rank), len(members)
-        distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", store), rank,
-                               world, timedelta(seconds=self.timeout), d.device)
-        client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-        beat = self.heartbeat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank, world,
-                                          self.interval, store_host=None)
         said = [f"rank {self.first[r]}" + (f" ({untrusted.printable(roster[r]['host'])}, pid {roster[r]['pid']})"
                                if r in roster else "") for r in lost]
-        self.first = [self.first[r] for r in members]
-        return Reformed(replace(d, rank=rank, world_size=world, heartbeat=beat), back_to, said, self.generation)
+        new = self._enter(d, backend, [self.first[r] for r in members], members.index(d.rank), "re-formed without "
+                          "the lost")
+        return Reformed(new, back_to, said, self.generation)
+
+    def _store(self) -> dist.Store:
+        if self.store is None:
+            self.store = rendezvous.connect(self.ident, timedelta(seconds=self.timeout), joining=False)
+        return self.store
+
+    def _enter(self, d: Dist, backend: str, members: list[int], rank: int, why: str) -> Dist:
+        """Join the next generation's group as `rank` of `members` (first-world ranks), and beat there."""
+        if d.heartbeat is not None:
+            d.heartbeat.stop(why, culprit=False)
+        self.generation += 1
+        distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", self._store()),
+                               rank, len(members), timedelta(seconds=self.timeout), d.device)
+        client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
+        beat = self.heartbeat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank,
+                                          len(members), self.interval, store_host=None)
+        self.first = members
+        return replace(d, rank=rank, world_size=len(members), heartbeat=beat)
+
+    def take_in(self, loop: Loop) -> None:
+        """At a step boundary of a world smaller than the first, every JOIN_EVERY steps: rank 0 admits the
+        replacements that checked in, and every rank raises Grow when there are some (one small broadcast)."""
+        steps = loop.steps_done
+        if len(self.first) == self.ident.world_size or self.entry is None or (steps % JOIN_EVERY and
+                                                                               steps != self.await_at):
+            return
+        found = loop.d.from_main(lambda: self._admitted(wait=steps == self.await_at))
+        if found:
+            raise Grow([(int(r), str(token)) for r, token in found])
+
+    def _admitted(self, wait: bool) -> list[tuple[int, str]]:
+        assert self.entry is not None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = membership.admit_late(self._store(), self.ident.world_size, self.creds, self.entry.nonce,
+                                          self.first)
+            if found or not wait or time.monotonic() > deadline:
+                return sorted(found.items())
+            time.sleep(10 * POLL_S)
+
+    def grow(self, loop: Loop, joiners: list[tuple[int, str]]) -> None:
+        """Take the admitted replacements in: the next generation is this world and them, rank 0 hands them the
+        run's state, and the run's slots are dealt over the grown world (docs/design/recovery.md)."""
+        assert self.entry is not None
+        began, d, backend = time.perf_counter(), loop.d, dist.get_backend()
+        parts = regroup.batchnorm_sets(loop.stats, loop.share, d, {})
+        loop.stretch = regroup.carried(loop.stretch, d)  # rank 0 holds what the stretch added up
+        members = self.first + [r for r, _ in joiners]
+        if d.is_main:
+            for r, token in joiners:
+                membership.place(self._store(), self.creds, self.entry, r, token,
+                                 membership.Placement(self.generation + 1, members.index(r), members))
+        distributed.teardown(together=True)
+        loop.d = self._enter(d, backend, members, d.rank, "re-formed with a replacement")
+        self.handover(loop, parts)
+        p, many = loop.t.progress, ", ".join(f"rank {r}" for r, _ in joiners)
+        loop.report.say(f"recover: {many} joined at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1}; "
+                        f"{loop.d.world_size} processes re-formed as generation {self.generation} in "
+                        f"{time.perf_counter() - began:.2f} s and go on from there: "
+                        f"{loop.share.describe(loop.cfg.recipe.batch_size)}")
+
+    def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
+        """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
+        grown world; a replacement (`joining`) takes it on, and all deal the run's slots over the world."""
+        t, s = loop.t, loop.stretch
+        assert loop.snapshots is not None
+
+        def state() -> tuple[Path, dict]:
+            return Path("rank 0's state"), {
+                "model": t.model.state_dict(), "optimizer": t.opt.state_dict(), "progress": vars(t.progress).copy(),
+                "rng": torch.get_rng_state(), "slots": loop.share.slots, "batchnorm_parts": parts,
+                "position": loop.snapshots.position,
+                "samples": s.samples, "logged": [[done, lr, n] for done, lr, _, n in s.logged],
+                **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {})}
+        found = loop.d.from_main(state, checkpoint.pack, checkpoint.unpack)
+        assert found is not None
+        where, got = found
+        if self.joining:
+            checkpoint.restore_model(t.model, got["model"], where)
+            t.opt.load_state_dict(got["optimizer"])
+            if t.scaler is not None and "scaler" in got:
+                t.scaler.load_state_dict(got["scaler"])
+            torch.set_rng_state(got["rng"])
+            t.progress = Progress(**got["progress"])
+            loop.snapshots.position = got["position"]
+            zero = torch.zeros((), device=loop.d.device)
+            loop.stretch = Stretch(zero.clone(), 0, got["samples"], [(done, lr, zero.clone(), n)
+                                                                      for done, lr, n in got["logged"]])
+            self.joining = False
+        loop._deal(Share(slots=got["slots"], world=loop.d.world_size, whole=self.bitwise), got["batchnorm_parts"])
 
     def _agree(self, store: dist.Store, beats: Heartbeat, d: Dist, position: int) -> tuple[list[int], int, list[int]]:
         """Check in at `position`; once every rank of the old world has checked in or is lost (gone, or its beat

@@ -16,7 +16,7 @@ from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate
 from .model import ConvNet
-from .recovery import Recovery
+from .recovery import Grow, Recovery
 from .report import Reporter
 from .snapshot import Snapshots
 from .state import Progress, Stretch
@@ -75,11 +75,15 @@ class Trainer:
             self.target_outcome = "already"
             return evaluate(self.t.model, self.test_batches, self.d, self.amp)
         self.profiler.watch(self.reduction)
+        if self.recovery and self.recovery.joining:  # a replacement of a lost rank: the run's state from rank 0
+            self.recovery.handover(self)
         net = self._wrap()
-        result = None
+        result, joiners = None, None
         while (epoch := self.t.progress.epoch) < self.cfg.recipe.epochs:
             try:
                 result = self._epoch(net, epoch)
+            except Grow as e:  # --recover: replacements join at this step boundary
+                joiners = e.joiners
             except RuntimeError as e:  # --recover: a lost rank's peers re-form and redo the step (recovery.py)
                 if self.recovery is None or not distributed.is_peer_failure(e):
                     raise
@@ -89,8 +93,12 @@ class Trainer:
                     self.target_outcome = "reached"
                     return result
                 continue
-            del net  # the broken group's DDP wrapper goes before the group (out here: the error's frames hold it)
-            self.recovery.recover(self, failure)
+            del net  # the old group's DDP wrapper goes before the group (out here: the error's frames hold it)
+            if joiners:
+                self.recovery.grow(self, joiners)
+                joiners = None
+            else:
+                self.recovery.recover(self, failure)
             net = self._wrap()
         if self.cfg.target_accuracy is not None:
             self.target_outcome = "missed"
@@ -127,7 +135,8 @@ class Trainer:
         self.stats.train()
         for batch in self.report.bar(batches, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
-            if self.snapshots:  # --recover: the state this step starts from
+            if self.snapshots:  # --recover: a replacement may join here; the state this step starts from
+                self.recovery.take_in(self)
                 self.snapshots.take(self.stats, self.stretch, self.reduction.sets, step=self.steps_done)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
