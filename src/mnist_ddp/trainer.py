@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, reduction, schedule, state, summary
+from . import compute, datasets, ddp, divergence, graphstep, reduction, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -45,6 +45,7 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         opt, self.schedule = schedule.build_optimizer(r, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
+        self.graph: graphstep.GraphStep | None = None  # the step as a CUDA graph, where it applies (run)
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step, until the next fold
         self.logged: list[tuple[int, float, torch.Tensor, int]] = []
@@ -78,13 +79,17 @@ class Trainer:
             self.target_outcome = "already"
             return evaluate(self.t.model, self.test_batches, self.d, self.amp)
         self.profiler.watch(self.reduction)
+        self.graph = self._graph_step()
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
-        net = ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
-                       accumulating=self.share.parts > self.share.world, hook=hook)
+        net = self.t.model if self.graph else ddp.wrap(
+            self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
+            accumulating=self.share.parts > self.share.world, hook=hook)
         result = None
         for epoch in range(self.t.progress.epoch, self.cfg.recipe.epochs):
             seen_before, start = self.t.progress.seen, time.perf_counter()
             self.train_batches.set_epoch(epoch, start=self.t.progress.consumed)
+            if self.graph:
+                self.graph.set_epoch(epoch, self.train_batches.first, self.cfg.recipe.epochs)
             seconds = self._train_epoch(net, epoch)
             result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
             speed = (self.t.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
@@ -103,6 +108,20 @@ class Trainer:
             result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
         return result
 
+    def _graph_step(self) -> graphstep.GraphStep | None:
+        """The step as a CUDA graph (graphstep.py) where it applies, and one line saying so; else None."""
+        why = graphstep.eager_because(self.cfg, self.d.device, self.amp, self.textbook)
+        if why:
+            if self.cfg.graph_step == "on" or self.d.device.type == "cuda":
+                self.report.say(f"step: eager ({why})")
+            return None
+        capture = self.d.device.type == "cuda"
+        how = "captured as a CUDA graph and replayed" if capture else "the graph step, eagerly"
+        reduced = "; gradients averaged by one all-reduce of a flat buffer" if self.d.world_size > 1 else ""
+        self.report.say(f"step: {how}{reduced}")
+        return graphstep.GraphStep(self.t.model, self.t.opt, self.train_batches.data, self.cfg.recipe, self.d,
+                                   seed=self.cfg.seed, amp=self.amp, capture=capture, timeout_s=self.cfg.timeout)
+
     def _train_epoch(self, net: nn.Module, epoch: int) -> float:
         """Train one epoch from `progress.consumed` on; returns the seconds it took."""
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
@@ -112,7 +131,8 @@ class Trainer:
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=d.device)  # this rank's, since the last fold: on the device, no sync
         seen_here = 0
-        for batch in self.report.bar(batches, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
+        steps = range(batches.first, batches.steps_per_epoch) if self.graph else batches
+        for batch in self.report.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
@@ -134,9 +154,11 @@ class Trainer:
         compute.sync(d.device)
         return time.perf_counter() - start
 
-    def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> torch.Tensor:
+    def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> torch.Tensor:
         """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
         r = self.cfg.recipe
+        if isinstance(batch, int):  # the graph step's index in the epoch
+            return self.graph(batch)
         if self.textbook:
             x, y = batch
             return train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
@@ -145,8 +167,10 @@ class Trainer:
                              label_smoothing=r.label_smoothing, scaler=self.t.scaler, phase=self.profiler.phase)
         return loss_sum.div(max(self._samples(batch)[0], 1))  # a rank of --bitwise may train no sample
 
-    def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> tuple[int, int]:
+    def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> tuple[int, int]:
         """This rank's samples in the step, and the whole step's (all ranks')."""
+        if isinstance(batch, int):
+            return self.graph.size(batch), self.graph.size(batch) * self.d.world_size
         if self.textbook:
             return len(batch[1]), len(batch[1]) * self.d.world_size
         return sum(len(mb.y) for mb in batch.micro_batches), batch.samples
