@@ -11,6 +11,8 @@ leaves the numbers of the parts before it. Parts, in this order:
   env            torch, CUDA, GPU name and count, the packages the train path imports (tqdm, pillow)
   train          the default recipe, 2 epochs, one process: test accuracy against 99% (MNIST if it is on the
                  machine, else the synthetic digits; said which)
+  graph          --graph-step on vs off (the step as one CUDA graph, replayed, vs the eager textbook step):
+                 images/s of the second epoch, the graph run's first epoch over its second, both accuracies
   bench          `mnist-ddp bench`: ours vs the tutorial, images/s and seconds to the target, with the ratios
   amp            --amp off vs --amp bf16: images/s of the second epoch, side by side
   deterministic  --deterministic twice: the SHA-256 of the two saved model states, and whether they are equal
@@ -173,6 +175,16 @@ def part_train(c: Check) -> dict[str, Any]:
             "epoch_seconds": [e["epoch_seconds"] for e in run["epochs"]]}
 
 
+def part_graph(c: Check) -> dict[str, Any]:
+    eager = c.train("graph-off", "--graph-step", "off", samples=c.args.samples)
+    graph = c.train("graph-on", "--graph-step", "on", samples=c.args.samples)  # on a CPU: the graph step, eagerly
+    first, second = (e["epoch_seconds"] for e in graph["epochs"][:2])
+    return {"images_per_second_eager": speed(eager), "images_per_second_graph": speed(graph),
+            "graph_over_eager": speed(graph) / speed(eager), "first_over_second_epoch": first / second,
+            "test_accuracy_eager": eager["epochs"][-1]["test_accuracy"],
+            "test_accuracy_graph": graph["epochs"][-1]["test_accuracy"]}
+
+
 def part_bench(c: Check) -> dict[str, Any]:
     out = c.work / "bench"
     flags = ["--quick", "-g", "1", "--tutorial-seconds", "5"] if c.args.quick else ["--tutorial-seconds", "40"]
@@ -243,6 +255,7 @@ def part_multi(c: Check) -> dict[str, Any]:
 PARTS = [
     Part("env", 60, part_env, "torch, CUDA, GPU, packages"),
     Part("train", 120, part_train, "default recipe, 2 epochs, 1 GPU: accuracy vs 99%"),
+    Part("graph", 60, part_graph, "--graph-step on vs off: images/s, first vs second epoch"),
     Part("bench", 120, part_bench, "mnist-ddp bench: ours vs the tutorial"),
     Part("amp", 60, part_amp, "--amp off vs bf16: images/s"),
     Part("deterministic", 60, part_deterministic, "--deterministic twice: SHA-256 of the model state"),

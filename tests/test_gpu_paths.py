@@ -377,4 +377,5 @@ def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -
     plan = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--plan"], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=60)
     assert [line.split()[0] for line in plan.stdout.splitlines()] == \
-        ["env", "train", "bench", "amp", "deterministic", "bitwise", "profile", "compile", "multi", "all"], plan.stdout
+        ["env", "train", "graph", "bench", "amp", "deterministic", "bitwise", "profile", "compile", "multi",
+         "all"], plan.stdout

@@ -27,14 +27,13 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def flatten(model: nn.Module, opt: torch.optim.Optimizer) -> Flat:
-    """Move `model`'s parameters and gradients, and `opt`'s state, into flat buffers, values kept (state a resume
-    loaded, else zeros: the same first step as torch's). Parameters stay the same objects: `opt` still holds them."""
+def flatten(model: nn.Module, opt: torch.optim.Optimizer, grads: torch.Tensor) -> Flat:
+    """Move `model`'s parameters, gradients (into `grads`, one element per parameter's) and `opt`'s state into flat
+    buffers, values kept (state a resume loaded, else zeros: the same first step as torch's). Parameters stay the
+    same objects: `opt` still holds them."""
     params = list(model.parameters())
     first = params[0]
-    flat = Flat(torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device),
-                torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device), {},
-                torch.zeros((), dtype=first.dtype, device=first.device))
+    flat = Flat(torch.empty_like(grads), grads, {}, torch.zeros((), dtype=first.dtype, device=first.device))
     names = ("exp_avg", "exp_avg_sq") if isinstance(opt, torch.optim.AdamW) else ("momentum_buffer",)
     for name in names:
         flat.state[name] = torch.zeros_like(flat.params)

@@ -39,14 +39,16 @@ class PeerTimeout(dist.DistNetworkError):
 
 class GraphStep:
     """This rank's training steps: the epoch's shard order and lr table in fixed device buffers, the step's index
-    a device tensor, the loss in a device buffer; `__call__` queues one step and reads nothing back."""
+    a device tensor, the loss in a device buffer; `step` queues one step and reads nothing back."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, data: DeviceData, recipe: Recipe, d: Dist, *,
                  seed: int, amp: str = "off", capture: bool = False, timeout_s: float = 1800.0) -> None:
         self.model, self.opt, self.data, self.r, self.d, self.seed, self.amp = model, opt, data, recipe, d, seed, amp
         self.n, self.batch_size = len(data.labels), recipe.batch_size
-        self.flat = flatopt.flatten(model, opt)
-        device = self.flat.params.device
+        first = next(model.parameters())
+        device = first.device
+        self.grads = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=first.dtype, device=device)
+        self.flat = flatopt.flatten(model, opt, self.grads)
         self.shard = math.ceil(self.n / d.world_size)  # DistributedSampler's padded shard: the same every epoch
         self.steps_per_epoch = math.ceil(self.shard / self.batch_size)
         self.order = torch.zeros(self.shard, dtype=torch.long, device=device)
@@ -82,8 +84,8 @@ class GraphStep:
         """This rank's samples in `step` of an epoch (the last may be short)."""
         return min(self.batch_size, self.shard - step * self.batch_size)
 
-    def __call__(self, step: int) -> torch.Tensor:
-        """Queue `step` (the one `index` points at) and return the loss buffer (overwritten by the next step)."""
+    def step(self, step: int) -> None:
+        """Queue `step` (the one `index` points at); its mean loss goes to `loss`."""
         size = self.size(step)
         if self.pacer:
             self.pacer.wait(step)
@@ -95,7 +97,6 @@ class GraphStep:
             self.run(size)
         if self.pacer:
             self.pacer.record()
-        return self.loss
 
     def run(self, size: int) -> None:
         """One step of `size` samples per rank, as device work only: what a graph holds."""
@@ -107,7 +108,7 @@ class GraphStep:
             loss = F.cross_entropy(self.model(x), y, label_smoothing=self.r.label_smoothing)
         loss.backward()
         if self.d.world_size > 1:  # the mean over the ranks, as DDP takes it: divided first, then summed
-            self.d.all_sum(self.flat.grads.div_(self.d.world_size))
+            self.d.all_sum(self.grads.div_(self.d.world_size))
         flatopt.update(self.opt, self.flat, lr.squeeze(0), momentum.squeeze(0))
         self.loss.copy_(loss.detach())
         self.index.add_(1)

@@ -45,7 +45,6 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         opt, self.schedule = schedule.build_optimizer(r, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
-        self.graph: graphstep.GraphStep | None = None  # the step as a CUDA graph, where it applies (run)
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step, until the next fold
         self.logged: list[tuple[int, float, torch.Tensor, int]] = []
@@ -80,6 +79,7 @@ class Trainer:
             return evaluate(self.t.model, self.test_batches, self.d, self.amp)
         self.profiler.watch(self.reduction)
         self.graph = self._graph_step()
+        self.graph_loss = torch.zeros((), device=self.d.device)
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
         net = self.t.model if self.graph else ddp.wrap(
             self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
@@ -158,7 +158,8 @@ class Trainer:
         """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
         r = self.cfg.recipe
         if isinstance(batch, int):  # the graph step's index in the epoch
-            return self.graph(batch)
+            self.graph.step(batch)
+            return self.graph_loss.copy_(self.graph.loss)  # the step's buffer, which the next replay overwrites
         if self.textbook:
             x, y = batch
             return train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
