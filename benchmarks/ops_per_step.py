@@ -24,7 +24,7 @@ from mnist_ddp import datasets
 from mnist_ddp.batches import model_input
 from mnist_ddp.compute import sync
 from mnist_ddp.config import DataConfig, TrainConfig, recipe
-from mnist_ddp.distributed import Dist
+from mnist_ddp.distributed import Dist, pick_device
 from mnist_ddp.model import ConvNet
 from mnist_ddp.report import Reporter
 from mnist_ddp.trainer import Trainer
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    device = torch.device(a.device)
+    device = pick_device(a.device, 0, 1)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
