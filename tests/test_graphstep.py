@@ -1,22 +1,28 @@
 """The graph step (graphstep.py), run eagerly on the CPU: what a CUDA graph's replay would do. A replay cannot read
 the host, and replays the addresses it captured, so: no host synchronisation inside a step, every buffer keeps its
-address, and it trains what the textbook step trains; with 2 real gloo ranks, its flat all-reduce gives DDP's."""
+address, and it trains what the textbook step trains; with 2 real gloo ranks, its flat all-reduce gives DDP's. A
+hung peer: the Pacer turns a step that never finishes into a peer failure (stand-in events), and a real frozen rank
+is named by the survivor."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import spawn_gloo
-from mnist_ddp import ddp, flatopt, schedule
+from conftest import progress, spawn_gloo
+from mnist_ddp import ddp, distributed, flatopt, schedule
 from mnist_ddp.batches import DeviceData, ShardedBatches
 from mnist_ddp.config import recipe
 from mnist_ddp.distributed import Dist
-from mnist_ddp.graphstep import GraphStep
+from mnist_ddp.graphstep import GraphStep, Pacer, PeerTimeout
 from mnist_ddp.model import ConvNet
 from mnist_ddp.steps import train_step
+from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
+from test_faults import HANG, _last_error, _train
 
 N, B, EPOCHS = 250, 32, 2  # 8 steps an epoch, the last of 26 samples: both step sizes, and an epoch boundary
 CPU = torch.device("cpu")
@@ -208,3 +214,62 @@ def test_the_flat_all_reduce_gives_ddps_mean(tmp_path: Path) -> None:
         for a, b in zip(r["ddp"], r["graph"], strict=True):
             torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
     assert ranks[0]["graph"] == ranks[1]["graph"]
+
+
+# --- a hung peer ----------------------------------------------------------------------------------------------------
+
+class StandIn:
+    """A stand-in for torch.cuda.Event: the device reaches it on its `after`-th query (None: never, as a step whose
+    all-reduce waits for a frozen peer)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.queries = after, 0
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.after is not None and self.queries >= self.after
+
+
+def _paced(after: int | None, steps: int) -> tuple[Pacer, list[StandIn]]:
+    """A Pacer 3 steps deep over stand-in events, after `steps` steps queued."""
+    made: list[StandIn] = []
+    pacer = Pacer(0.05, depth=3, poll_s=0.001, event=lambda: made.append(StandIn(after)) or made[-1])
+    for step in range(steps):
+        pacer.wait()
+        pacer.record(step)
+    return pacer, made
+
+
+def test_the_pacer_turns_a_step_that_never_finishes_into_a_peer_failure() -> None:
+    """Before each step the Pacer waits for the one 3 back, polling its event until the device reaches it; one that
+    never finishes raises within the timeout, naming the step, as a peer failure (which launch.py reports with the
+    heartbeat's diagnosis). The control: events the device reaches on their third poll let six steps through."""
+    _, made = _paced(3, 6)
+    assert [e.queries for e in made] == [3, 3, 3, 0, 0, 0]  # each wait polled the oldest only, until it was done
+    hung, _ = _paced(None, 3)
+    with pytest.raises(PeerTimeout, match=r"^step 1 of its epoch did not finish within --timeout 0.05 s$") as raised:
+        hung.wait()
+    assert distributed.is_peer_failure(raised.value)
+
+
+@needs_proc
+def test_a_frozen_peer_is_named_under_the_graph_step(tmp_path: Path) -> None:
+    """-g 2 with --graph-step on (on the CPU: the graph step eagerly, its one flat all-reduce a real gloo one); one
+    worker frozen with SIGSTOP: the launcher exits 1 with the line naming that process, stopped, within --timeout."""
+    env, mark = marked_env()
+    out = tmp_path / "run"
+    args = ("-n", "1", "-g", "2", "--graph-step", "on", "--epochs", "50", "--timeout", "5", "--checkpoint-every", "2")
+    with reaped(mark):
+        proc = start(_train(out, *args), env, tmp_path, tmp_path / "log")
+        wait_for("training", lambda: progress(out), HANG, running=proc)
+        frozen = max(spawned_workers(proc.pid))
+        os.kill(frozen, signal.SIGSTOP)
+        rc, log = finish(proc, tmp_path / "log", HANG)
+    assert "step: the graph step, eagerly; gradients averaged by one all-reduce of a flat buffer" in log, log
+    line = _last_error(log)
+    assert rc == 1 and "Traceback" not in log, log
+    assert "lost contact with the other processes" in line and "--resume" in line, line
+    assert f"pid {frozen}) stopped answering: stopped (SIGSTOP" in line, line

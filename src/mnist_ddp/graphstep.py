@@ -5,6 +5,8 @@ runs eagerly, which is how the tests prove what a replay does. Only where each r
 import math
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,7 +90,7 @@ class GraphStep:
         """Queue `step` (the one `index` points at); its mean loss goes to `loss`."""
         size = self.size(step)
         if self.pacer:
-            self.pacer.wait(step)
+            self.pacer.wait()
         if self.capture and size not in self.graphs and not self.why_eager:
             self._capture(size)
         if size in self.graphs:
@@ -96,7 +98,7 @@ class GraphStep:
         else:
             self.run(size)
         if self.pacer:
-            self.pacer.record()
+            self.pacer.record(step)
 
     def run(self, size: int) -> None:
         """One step of `size` samples per rank, as device work only: what a graph holds."""
@@ -150,23 +152,24 @@ class Pacer:
     timeout (a collective waiting for a lost peer: NCCL's watchdog does not see captured collectives) into an
     error (launch.py adds the heartbeat's diagnosis of who stopped answering)."""
 
-    def __init__(self, timeout_s: float, depth: int = PACE, poll_s: float = 1e-4) -> None:
-        self.timeout_s, self.poll_s, self.depth = timeout_s, poll_s, depth
+    def __init__(self, timeout_s: float, depth: int = PACE, poll_s: float = 1e-4,
+                 event: Callable[[], Any] = torch.cuda.Event) -> None:
+        self.timeout_s, self.poll_s, self.depth, self.event = timeout_s, poll_s, depth, event
         self.events: deque = deque(maxlen=depth)
 
-    def record(self) -> None:
-        event = torch.cuda.Event()
+    def record(self, step: int) -> None:
+        """After queueing `step`: an event (`event()`, with `record` and `query`) the device reaches when it is done."""
+        event = self.event()
         event.record()
-        self.events.append(event)
+        self.events.append((step, event))
 
-    def wait(self, step: int) -> None:
-        """Before queueing `step`: wait for the step `depth` back, at most the timeout."""
+    def wait(self) -> None:
+        """Before queueing a step: wait for the step `depth` back, at most the timeout."""
         if len(self.events) < self.depth:
             return
-        oldest = self.events.popleft()
+        step, oldest = self.events.popleft()
         deadline = time.monotonic() + self.timeout_s
         while not oldest.query():
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"step {step - self.depth + 1} of this epoch did not finish within --timeout "
-                                  f"{self.timeout_s:g} s")
+                raise PeerTimeout(f"step {step + 1} of its epoch did not finish within --timeout {self.timeout_s:g} s")
             time.sleep(self.poll_s)
