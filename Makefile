@@ -10,8 +10,10 @@ TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.10,torch==2.13
 TORCH_INDEX ?=
 ARGS ?=
 PYTEST_ARGS ?=
+SOAK ?= 3
+SOAK_MODULES ?=
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +41,11 @@ lint: $(VENV)/.dev
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
+
+# Not part of CI: SOAK rounds of every test module that starts real processes (SOAK_MODULES="faults stops" for a
+# subset), each run bounded in time; one summary line, and where the failed runs' output was kept (tests/soak.py).
+soak: $(VENV)/.dev
+	$(BIN)/python tests/soak.py --rounds $(SOAK) --modules "$(SOAK_MODULES)"
 
 bench: $(VENV)/.plot
 	$(BIN)/mnist-ddp bench $(ARGS)

@@ -55,7 +55,7 @@ def ours(device: torch.device, samples: int, out: Path) -> Trainer:
 def our_epoch(t: Trainer) -> None:
     t.train_batches.set_epoch(0)
     model = t.t.model if hasattr(t, "t") else t.model  # (also runs on the code before the re-cut)
-    t._train_epoch(model, 0)
+    t._train_epoch(model, 0, time.perf_counter())
 
 
 def hand_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    device = pick_device(a.device, 0, 1)
+    device = pick_device(a.device, 0, 1)  # a CUDA device with its index
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -16,7 +16,10 @@ collective passes every CPU test and fails on the first GPU. The rule, checked w
      `.cpu()`, `.numpy()`, `.tolist()`, `.item()`, and `.to(…)` only to a `….device`), arithmetic with them,
      an element of one, either branch of a conditional;
    - a name or attribute whose every assignment (and every `.append`) is made on the device, a parameter whose
-     every caller passes one, or a call of a function or method whose every `return` is.
+     every caller passes one, or a call of a function or method whose every `return` is;
+   - a field of tensors of a dataclass of src/ (`s.loss_sum`: `Stretch`'s) that every construction, assignment
+     and `.append` gives one (a list field's tuples: their element at that place; a construction that copies the
+     field itself adds nothing).
    Anything else — a literal, a value from outside src/, a path the reading cannot follow — fails, fail-closed.
 """
 
@@ -105,7 +108,7 @@ class Reader:
     def __init__(self, src: Source) -> None:
         self.src, self.seen = src, set()
 
-    def why(self, e: ast.expr, fn: Fn, bound: dict[str, tuple[Fn, ast.expr]] | None = None) -> str | None:
+    def why(self, e: ast.expr, fn: Fn, bound: dict[str, list[tuple[Fn, ast.expr]]] | None = None) -> str | None:
         """None when `e`, read in `fn` (with comprehension variables `bound` to what they run over), is made on
         the device; else where it left it."""
         bound = bound or {}
@@ -119,7 +122,10 @@ class Reader:
         if isinstance(e, ast.Name):
             return self._name(e.id, fn, bound, where)
         if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
-            return self._values([v for v in self._self_values(fn, e.attr)], fn, where, f"self.{e.attr}")
+            return self._values(self._self_values(fn, e.attr) or self._field(e.attr) or [], fn, where,
+                                f"self.{e.attr}")
+        if isinstance(e, ast.Attribute) and (values := self._field(e.attr)) is not None:
+            return self._values(values, fn, where, f"….{e.attr}")
         if isinstance(e, ast.Subscript | ast.Starred):
             return self.why(e.value, fn, bound)
         if isinstance(e, ast.UnaryOp):
@@ -136,7 +142,7 @@ class Reader:
             return self._comprehension(e, fn, bound)
         return f"{where}: {ast.unparse(e)} is not a tensor made on the device"
 
-    def _call(self, e: ast.Call, fn: Fn, bound: dict[str, tuple[Fn, ast.expr]], where: str) -> str | None:
+    def _call(self, e: ast.Call, fn: Fn, bound: dict[str, list[tuple[Fn, ast.expr]]], where: str) -> str | None:
         name = _attr(e) or (e.func.id if isinstance(e.func, ast.Name) else None)
         on_torch = isinstance(e.func, ast.Attribute) and _is_name(e.func.value, "torch")
         if name in MODEL_STATE:
@@ -169,10 +175,10 @@ class Reader:
         cls = fn.qualname.split(".")[0]
         return [f for f in self.src.fns if f.module == fn.module and f.qualname == f"{cls}.{name}"]
 
-    def _name(self, name: str, fn: Fn, bound: dict[str, tuple[Fn, ast.expr]], where: str) -> str | None:
-        if name in bound:
-            owner, expr = bound[name]
-            return self.why(expr, owner, {k: v for k, v in bound.items() if k != name} if owner is fn else {})
+    def _name(self, name: str, fn: Fn, bound: dict[str, list[tuple[Fn, ast.expr]]], where: str) -> str | None:
+        if name in bound:  # what the comprehension runs over: one place it is made, or several
+            return next((w for owner, expr in bound[name] if (w := self.why(
+                expr, owner, {k: v for k, v in bound.items() if k != name} if owner is fn else {}))), None)
         values = [v for node in ast.walk(fn.node)
                   for v in _assigned(node, lambda t: isinstance(t, ast.Name) and t.id == name)]
         if values:
@@ -222,6 +228,39 @@ class Reader:
                     found.append((f, node.args[0]))
         return found
 
+    def _field(self, attr: str) -> list[tuple[Fn, ast.expr]] | None:
+        """What every construction of the one dataclass of src/ whose field `attr` holds tensors passes for it, and
+        every `….attr = v` and `….attr.append(v)` (None: no such field; a copy of the field itself adds nothing)."""
+        owners = [c for tree in self.src.trees.values() for c in tree.body if isinstance(c, ast.ClassDef)
+                  and any(isinstance(x, ast.AnnAssign) and _is_name(x.target, attr)
+                          and "Tensor" in ast.unparse(x.annotation) for x in c.body)]
+        if len(owners) != 1:
+            return None
+        fields = [x for x in owners[0].body if isinstance(x, ast.AnnAssign) and isinstance(x.target, ast.Name)]
+        index = next(i for i, x in enumerate(fields) if x.target.id == attr)
+        empty = isinstance(fields[index].value, ast.Call) and ast.unparse(fields[index].value) == \
+            "field(default_factory=list)"
+        found = []
+
+        def other(f: Fn, target: ast.expr) -> bool:  # self.<attr> of another class is that class's own
+            return _is_name(target, "self") and f.qualname.split(".")[0] != owners[0].name
+        for f, call in self.src.calls():
+            if _is_name(call.func, owners[0].name):
+                given = next((k.value for k in call.keywords if k.arg == attr), None)
+                given = given if given is not None else call.args[index] if index < len(call.args) else None
+                if given is None and not empty:
+                    found.append((f, ast.Name(f"<{owners[0].name}'s default {attr}>")))
+                elif given is not None and not _copies(given, attr):
+                    found.append((f, given))
+            elif _attr(call) == "append" and isinstance(call.func.value, ast.Attribute) and \
+                    call.func.value.attr == attr and not other(f, call.func.value.value):
+                found.append((f, call.args[0]))
+        for f in self.src.fns:
+            for node in ast.walk(f.node):
+                found += [(f, v) for v in _assigned(node, lambda t, f=f: isinstance(t, ast.Attribute)
+                                                     and t.attr == attr and not other(f, t.value))]
+        return found
+
     def _values(self, values: list, fn: Fn, where: str, what: str) -> str | None:
         if not values:
             return f"{where}: nothing in src/ assigns {what}"
@@ -232,11 +271,11 @@ class Reader:
         return None
 
     def _comprehension(self, e: ast.ListComp | ast.GeneratorExp | ast.DictComp, fn: Fn,
-                       bound: dict[str, tuple[Fn, ast.expr]]) -> str | None:
+                       bound: dict[str, list[tuple[Fn, ast.expr]]]) -> str | None:
         inner = dict(bound)
         for gen in e.generators:
             if isinstance(gen.target, ast.Name):  # an element of what it runs over
-                inner[gen.target.id] = (fn, ast.Subscript(gen.iter, ast.Constant(0)))
+                inner[gen.target.id] = [(fn, ast.Subscript(gen.iter, ast.Constant(0)))]
             elif isinstance(gen.target, ast.Tuple):
                 for i, t in enumerate(gen.target.elts):
                     if isinstance(t, ast.Name) and t.id != "_":
@@ -259,14 +298,27 @@ def _assigned(node: ast.AST, matches: Callable[[ast.expr], bool]) -> list[ast.ex
     return []
 
 
-def _element(seq: ast.expr, i: int, reader: Reader, fn: Fn) -> tuple[Fn, ast.expr]:
-    """Element `i` of the tuples that `seq` (self.<attr>) holds, read where they are made (one place); else an
-    element of `seq`."""
+def _copies(e: ast.expr, attr: str) -> bool:
+    """Whether `e` is field `attr` itself, or `list(….attr)`: a copy adds no value the field did not hold."""
+    e = e.args[0] if isinstance(e, ast.Call) and _is_name(e.func, "list") and e.args else e
+    return isinstance(e, ast.Attribute) and e.attr == attr
+
+
+def _element(seq: ast.expr, i: int, reader: Reader, fn: Fn) -> list[tuple[Fn, ast.expr]]:
+    """Element `i` of the tuples that `seq` (….<attr>) holds, read where they are made: tuples, or lists made of
+    tuples (`[(a, b) for …]`: its elements at `i`, the whole list read); `zip(…)`'s: an element of its `i`-th
+    argument; else an element of `seq`."""
+    if isinstance(seq, ast.Call) and _is_name(seq.func, "zip") and len(seq.args) > i:
+        return [(fn, ast.Subscript(seq.args[i], ast.Constant(0)))]
     if isinstance(seq, ast.Attribute):
-        tuples = [(f, v) for f, v in reader._self_values(fn, seq.attr) if isinstance(v, ast.Tuple)]
-        if len(tuples) == 1 and len(tuples[0][1].elts) > i:
-            return tuples[0][0], tuples[0][1].elts[i]
-    return fn, ast.Subscript(seq, ast.Constant(i))
+        made = (reader._self_values(fn, seq.attr) if _is_name(seq.value, "self") else []) or \
+            reader._field(seq.attr) or []
+        picked = [(f, v.elts[i] if isinstance(v, ast.Tuple) else ast.ListComp(v.elt.elts[i], v.generators))
+                  for f, v in made if (isinstance(v, ast.Tuple) and len(v.elts) > i) or
+                  (isinstance(v, ast.ListComp) and isinstance(v.elt, ast.Tuple) and len(v.elt.elts) > i)]
+        if picked and len(picked) == len(made):
+            return picked
+    return [(fn, ast.Subscript(seq, ast.Constant(i)))]
 
 
 def off_device_sums(src: Source) -> list[str]:

@@ -159,7 +159,8 @@ def test_the_run_as_data_is_its_files(tmp_path: Path, monkeypatch: pytest.Monkey
     assert mnist_ddp.Run.load("run", run.config) == run
     assert run.dataframe().to_dict("records") == lines[0] and len(run.steps_dataframe()) == 8
     monkeypatch.setitem(sys.modules, "pandas", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"^Run.dataframe\(\) needs pandas, which mnist-ddp does not install"):
+    with pytest.raises(ImportError, match=r"^Run.dataframe\(\) needs pandas, .*: pip install pandas, or "
+                       r"'mnist-ddp\[notebook\]'"):
         run.dataframe()
 
     capsys.readouterr()

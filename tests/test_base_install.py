@@ -5,48 +5,27 @@ code path that needs numpy without saying so passes there and fails for a user: 
 call `tensor.numpy()`, and `-g 2 --resume` and torchrun died on rank 1 with "Numpy is not available". Here a
 venv made by `python -m venv` (without the system's site-packages, which hold numpy) gets torch and the
 package from a copy of this checkout, and runs what a user runs first: `-g 2`, `-g 2 --resume`, torchrun,
-`evaluate` and `predict`. `TORCH_INDEX` is passed on to pip as the Makefile does.
+`evaluate` and `predict` (tests/venvs.py makes the venv).
 """
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import REPO, tiny
-from mnist_ddp import identity
+from conftest import tiny
+from venvs import fresh_venv
 
-INSTALL_S = 600  # a hang guard for pip, not a timing assertion
 RUN_S = 180
+pytestmark = pytest.mark.timeout(900)  # the first test includes the venv's install (venvs.INSTALL_S)
 # Plots left on: without matplotlib a run says it draws none, and must still succeed.
 TINY = [arg for arg in tiny(400, 100) if arg != "--no-plots"]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """A fresh venv with torch and the package alone, and an environment that leaves this checkout out of
-    reach (no PYTHONPATH): its bin folder and the environment to run it in."""
-    root = tmp_path_factory.mktemp("base")
-    source = root / "source"  # pip builds in the tree it is given: a copy keeps build/ out of the checkout
-    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=INSTALL_S)
-    bin_ = root / "venv" / "bin"
-    index = ["--index-url", os.environ["TORCH_INDEX"]] if os.environ.get("TORCH_INDEX") else []
-    # --no-compile: byte-compiling all of torch took two thirds of the install; what runs compiles as it imports
-    pip = subprocess.run([str(bin_ / "pip"), "install", "-q", "--disable-pip-version-check", "--no-compile",
-                          f"torch=={torch.__version__.split('+')[0]}", str(source), *index],
-                         capture_output=True, text=True, timeout=INSTALL_S)
-    assert pip.returncode == 0, pip.stdout + pip.stderr
-    env = identity.without_launcher_vars(os.environ)
-    env.pop("PYTHONPATH", None)
-    env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return bin_, env
+    """A fresh venv with torch and the package alone: its bin folder and the environment to run it in."""
+    return fresh_venv(tmp_path_factory.mktemp("base"))
 
 
 def _run(base: tuple[Path, dict[str, str]], cwd: Path, *cmd: str) -> str:

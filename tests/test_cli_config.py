@@ -1,5 +1,6 @@
 """Bad command lines: each is one clear line on stderr and exit code 2, before any work or any file."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,47 @@ def test_arguments_are_checked_before_torch_is_imported() -> None:
              "print(rc, 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """`--help`'s options, each flag (its last spelling) -> its help text joined into one line."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            head = line.split("  ", 2)[1]
+            flag = re.findall(r"(?:^|, )(--?[\w-]+)", head)[-1]
+            entries[flag] = line[2 + len(head):].strip()
+        elif flag and line.startswith("   "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+def test_train_help_states_each_default_once_and_truly(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train --help` as a user reads it: every option says its default exactly once, never argparse's bare
+    None or [], a switch (--no-download, --resume, …) says it is off unless given, and a recipe knob names the
+    value a bare `train` really uses."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--help"])
+    assert done.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    parser = cli.command_parser("train")
+    flags = {a.option_strings[-1]: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert set(entries) - {"--help"} == set(flags)
+    for flag, said in entries.items():
+        if flag == "--help":
+            continue
+        assert said.count("(default") == 1, f"{flag}: {said}"
+        assert "(default: None)" not in said and "(default: [])" not in said, f"{flag}: {said}"
+        if flags[flag].nargs == 0 and flags[flag].default is not None:  # a switch: store_true or store_false
+            assert "(default: off" in said, f"{flag}: {said}"
+    assert entries["--dataset"].endswith("(default: mnist)")
+    plain = cli.configure(["train"])
+    for knob in ("lr", "momentum", "weight_decay", "batch_size", "epochs", "label_smoothing"):
+        flag = "--" + knob.replace("_", "-")
+        assert f"(default: the recipe's: {getattr(plain.recipe, knob)}" in entries[flag], entries[flag]
+    assert (plain.data.download, plain.progress, plain.plots) == (True, True, True)  # what "off" above means

@@ -6,23 +6,29 @@ process of the run is gone), never a broken checkpoint.
 Independent runs of one test go concurrently, to keep the wall time down on a small box.
 """
 
+import copyreg
 import errno
+import inspect
 import os
 import random
 import re
+import select
 import signal
 import socket
+import sys
 import time
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from conftest import metrics, progress, tiny
-from mnist_ddp import checkpoint
+from mnist_ddp import checkpoint, distributed, identity, rendezvous
 from procfs import (
     children,
     describe,
@@ -137,6 +143,19 @@ def _save_forever(path: Path, first: int, keep_previous: bool, size: int = BIG, 
         os._exit(1)
 
 
+def _reap(writer: int, after: str) -> None:
+    """Wait for the forked `writer` to end; past HANG seconds, SIGKILL it and fail (a hang guard)."""
+    handle = os.pidfd_open(writer)
+    try:
+        if not select.select([handle], [], [], HANG)[0]:
+            os.kill(writer, signal.SIGKILL)
+            os.waitpid(writer, 0)
+            pytest.fail(f"the writer was still saving {HANG} s after {after}")
+    finally:
+        os.close(handle)
+    os.waitpid(writer, 0)
+
+
 @pytest.mark.parametrize("keep_previous", [False, True], ids=["plain", "rotating (checkpoint.prev.pt)"])
 def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, keep_previous: bool) -> None:
     """Ten writers, each SIGKILLed at a random moment; after every kill the newest checkpoint loads and is
@@ -152,7 +171,7 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path: Path
         wait_for("the writer's first save", lambda first=first: _consistent(path) > first, HANG, 0.01)
         time.sleep(rng.uniform(0, 0.1))  # a save takes tens of milliseconds: most kills land inside one
         os.kill(writer, signal.SIGKILL)
-        os.waitpid(writer, 0)
+        _reap(writer, "its SIGKILL")
         now = _consistent(path)  # there, loads, and is whole
         assert now > first  # the newest complete save, or one before it: never garbage, never lost
         if keep_previous:
@@ -181,8 +200,36 @@ def test_ctrl_c_during_rotating_saves_never_loses_checkpoint_pt(tmp_path: Path) 
         os.close(ready), os.close(said)
         time.sleep(rng.uniform(0, 0.01))
         os.kill(writer, signal.SIGINT)
-        os.waitpid(writer, 0)
+        _reap(writer, "its SIGINT")
         assert _consistent(path, size=4) >= _consistent(checkpoint.previous(path), size=4)
+
+
+def test_ctrl_c_where_torch_saves_pickler_swallows_it_still_stops_the_save(tmp_path: Path) -> None:
+    """The interrupt lands inside copyreg._slotnames's `try: cls.__slotnames__ = names`, whose bare `except:`
+    swallows a KeyboardInterrupt. torch.save's pickler runs it for every tensor (the OrderedDict of hooks cannot
+    keep the answer), so a Ctrl-C handled there would be lost and a writer of the test above would save on
+    (interrupts.py). A tracer sends SIGINT at that very line: the save still ends in a KeyboardInterrupt, and
+    leaves no temp file."""
+    source, first = inspect.getsourcelines(copyreg._slotnames)
+    line = first + next(i for i, text in enumerate(source) if "cls.__slotnames__ = names" in text)
+    landed = []
+
+    def at_the_line(frame: FrameType, event: str, arg: object) -> object:  # sys.settrace's local tracer
+        if event == "line" and frame.f_lineno == line and not landed:
+            landed.append(line)
+            signal.raise_signal(signal.SIGINT)
+        return at_the_line
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.settrace(lambda frame, event, arg: at_the_line if frame.f_code is copyreg._slotnames.__code__ else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(tmp_path / "checkpoint.pt", _payload(1, size=4))
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, previous)
+    assert landed, "no SIGINT landed inside copyreg._slotnames: the test proved nothing"
+    assert _temp_files(tmp_path) == []
 
 
 def test_rotating_save_without_hard_links_still_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:
@@ -352,8 +399,33 @@ def test_heartbeat_0_turns_it_off(tmp_path: Path) -> None:
         "--timeout 30 s (see its log)" in lines["0"], lines
 
 
+def _leave_a_frozen_peer(rank: int, port: int, said: str) -> None:
+    """Rank 1 waits in an all-reduce that rank 0 never joins, then leaves the group as after an error, and writes
+    what teardown returned to `said`; rank 0, frozen as far as the group can tell, stays until then."""
+    torch.set_num_threads(1)
+    distributed.setup(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
+    if rank == 0:
+        wait_for("rank 1 to leave", Path(said).exists, HANG)
+    else:
+        dist.all_reduce(torch.ones(4), async_op=True)
+        Path(said).write_text(str(distributed.teardown(together=False)))
+    os._exit(0)  # what a failed -g child does (launch._leave): the group may still be closing
+
+
+def test_a_rank_leaves_the_group_at_once_when_its_peer_froze(tmp_path: Path) -> None:
+    """After an error a rank must not wait on a peer that froze: closing the group joins gloo's threads, which wait
+    on it for --timeout (60 s here). teardown gives up on closing and says so (False), while the peer is still
+    there: it never answered, and it ends only once rank 1 has written what teardown returned."""
+    store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=60))
+    said = tmp_path / "teardown"
+    mp.spawn(_leave_a_frozen_peer, args=(store.port, str(said)), nprocs=2, join=True)
+    del store
+    assert said.read_text() == "False"
+
+
 def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
-    """Without a restart policy, mnist-ddp's own launcher stops the other workers and names the dead one."""
+    """Without a restart policy, mnist-ddp's own launcher stops the other workers and names the dead one; the
+    survivor, told to stop with its peer gone, ends by itself: the launcher never has to SIGKILL it."""
     env, mark = marked_env()
     out = tmp_path / "out"
     with reaped(mark):
@@ -365,6 +437,7 @@ def test_spawned_worker_killed_stops_the_job(tmp_path: Path) -> None:
         rc, log = finish(parent, tmp_path / "log", HANG)
     assert rc == 1, log
     assert "was killed by SIGKILL" in log and "--resume" in log, log
+    assert "was still there" not in log, log  # forkserver.Workers.stop's line for a worker it had to kill
     assert progress(out) is not None
 
 

@@ -296,10 +296,12 @@ def test_collectives_are_called_only_where_their_tensors_are_known_to_be_on_the_
 # Each edit puts one CPU tensor in a collective's way (directly, or through a parameter, an attribute, a returned
 # value, a list of tuples or a dict of buffers): the reading must find every one.
 CPU_TENSOR_EDITS = [
-    ("trainer", "torch.tensor(float(seen_here), device=self.d.device)", "torch.tensor(float(seen_here))"),
-    ("trainer", "loss_sum = torch.zeros((), device=d.device)", "loss_sum = torch.zeros(())"),
+    ("trainer", "torch.tensor(float(s.seen), device=self.d.device)", "torch.tensor(float(s.seen))"),
+    ("trainer", "Stretch(torch.zeros((), device=d.device))", "Stretch(torch.zeros(()))"),
     ("steps", "loss_sum = torch.zeros((), device=device)", "loss_sum = torch.zeros(())"),
-    ("trainer", "step_loss.mul(here), samples)", "torch.tensor(1.0), samples)"),
+    ("trainer", "step_loss.mul(here),", "torch.tensor(1.0),"),
+    ("regroup", "totals.new_zeros(totals.shape)", "torch.zeros_like(totals)"),
+    ("regroup", "(done, lr, loss, n) for", "(done, lr, torch.tensor(1.0), n) for"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
     ("steps", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
     ("steps", "self.share, self._flat())", "self.share, self._flat().cpu())"),

@@ -16,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import progress, spawn_gloo
 from mnist_ddp import ddp, distributed, flatopt, schedule
 from mnist_ddp.batches import DeviceData, ShardedBatches
-from mnist_ddp.config import recipe
+from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
-from mnist_ddp.graphstep import GraphStep, Pacer, PeerTimeout
+from mnist_ddp.graphstep import GraphStep, Pacer, PeerTimeout, choose
 from mnist_ddp.model import ConvNet
+from mnist_ddp.state import Progress, Training
 from mnist_ddp.steps import train_step
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_faults import HANG, _last_error, _train
@@ -74,7 +75,7 @@ def _train_both(optimizer: str, dtype: torch.dtype, *, late: bool = False) -> tu
     losses = []
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)
-        step.set_epoch(epoch, 0, EPOCHS)
+        step.begin_epoch(epoch)
         for s, (x, y) in enumerate(batches):
             set_lr((epoch * N + min(N, s * B)) / (EPOCHS * N))
             losses.append((train_step(model, opt, x.to(dtype), y).float(), (step.step(s), step.loss.clone())[1]))
@@ -143,7 +144,7 @@ def test_a_step_never_reads_the_device(optimizer: str) -> None:
     """Every step of an epoch, the short last one too, under a mode that fails on any host read. The control:
     torch's AdamW without capturable reads its step count with .item(), and the mode catches it."""
     step = _graph(optimizer, torch.float32)
-    step.set_epoch(0, 0, EPOCHS)
+    step.begin_epoch(0)
     with NoHostReads():
         for s in range(step.steps_per_epoch):
             step.step(s)
@@ -168,11 +169,11 @@ def test_every_buffer_keeps_its_address() -> None:
     Across an epoch boundary, both step sizes and a new epoch's order and table, nothing moves; parameters and
     gradients are views of the flat buffers. The control: a rebound bias is seen."""
     step = _graph("adamw", torch.float32)
-    step.set_epoch(0, 0, EPOCHS)
+    step.begin_epoch(0)
     step.step(0)
     before = _addresses(step)
     for epoch in range(EPOCHS):
-        step.set_epoch(epoch, 0, EPOCHS)
+        step.begin_epoch(epoch)
         for s in range(step.steps_per_epoch):
             step.step(s)
     assert _addresses(step) == before
@@ -180,6 +181,22 @@ def test_every_buffer_keeps_its_address() -> None:
     assert all(lo <= p.data_ptr() < hi for p in step.model.parameters())
     step.model.fc.bias.data = step.model.fc.bias.data.clone()
     assert _addresses(step) != before
+
+
+@pytest.mark.parametrize("recover", [True, False])
+def test_recover_keeps_the_eager_step_and_says_so(recover: bool) -> None:
+    """--graph-step on with --recover: the eager step, whose state --recover's snapshots hold, and one line saying
+    why. The control: without --recover the same run gets the graph step."""
+    images, labels = _data()
+    model, opt, _ = _model("sgd", torch.float32)
+    t = Training(model, opt, None, Progress())
+    batches = ShardedBatches(images, labels, B, rank=0, world=1, device=CPU, shuffle=True, seed=0)
+    said: list[str] = []
+    chosen = choose(TrainConfig(graph_step="on", recover=recover), ONE, t, batches, True, said.append)
+    if recover:
+        assert chosen is None and said == ["step: eager (--recover snapshots and restores the eager step's state)"]
+    else:
+        assert isinstance(chosen, GraphStep) and said == ["step: the graph step, eagerly"]
 
 
 WORLD = 2
@@ -194,7 +211,7 @@ def _ranks(d: Dist, out: str) -> None:
     batches = ShardedBatches(images, labels, B, rank=d.rank, world=WORLD, device=CPU, shuffle=True, seed=0)
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)
-        step.set_epoch(epoch, 0, EPOCHS)
+        step.begin_epoch(epoch)
         for s, (x, y) in enumerate(batches):
             set_lr((epoch * N + min(N, s * B * WORLD)) / (EPOCHS * N))
             train_step(net, opt, x, y)

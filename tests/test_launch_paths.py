@@ -58,3 +58,20 @@ def test_torchrun(tmp_path: Path) -> None:
                 module="torch.distributed.run", cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     _check_run(out, r.stdout, world=2)
+
+
+def test_bad_input_under_each_launcher_ends_as_the_readme_says(tmp_path: Path) -> None:
+    """A bad flag: `mnist-ddp train` (one process, or -g's launcher) prints one sentence and exits 2, before any
+    process starts. Under torchrun each worker checks for itself, prints that sentence and exits 2 (torchrun stops
+    the others once the first has), and torchrun, which owns the exit code, adds its ChildFailedError report
+    (exitcode 2) and exits 1."""
+    bad = ["train", *tiny(), "--epochs", "0", "--out", str(tmp_path / "run")]
+    said = "mnist-ddp: error: --epochs must be at least 1, not 0."
+    for launch in ([], ["-g", "2"]):
+        r = run_cli(*bad, *launch, cwd=tmp_path, env=ONE_THREAD)
+        assert (r.returncode, r.stderr.strip(), r.stdout) == (2, said, ""), (launch, r.stderr)
+    r = run_cli("--standalone", "--nproc-per-node", "2", "-m", "mnist_ddp", *bad, module="torch.distributed.run",
+                cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 1, r.stderr
+    assert said in r.stderr and "ChildFailedError" in r.stderr and "exitcode  : 2" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()

@@ -25,6 +25,7 @@ from nbformat import NotebookNode
 from conftest import REPO, cli_env
 from mnist_ddp import checkpoint, cli
 from procfs import marked_env, marked_pids, needs_proc, reaped, spawned_workers
+from venvs import fresh_venv
 
 pytestmark = needs_proc
 
@@ -35,14 +36,23 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 LONG_RUN = 'train(processes=2, epochs=500, out="runs/{name}", **data)'  # runs until it is stopped
 
 
-def _kernelspec(jupyter: Path) -> str:
-    """A kernel of this interpreter (the one mnist_ddp is installed in), found first through JUPYTER_PATH."""
+def _kernelspec(jupyter: Path, python: Path | str = sys.executable) -> str:
+    """A kernel of `python` (by default this interpreter, the one mnist_ddp is installed in), found first through
+    JUPYTER_PATH."""
     spec = jupyter / "kernels" / "mnist-ddp-test"
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "mnist-ddp tests", "language": "python"}))
     return spec.name
+
+
+def _tiny_notebook() -> NotebookNode:
+    """The example notebook, its data made tiny by a cell after the one tagged "parameters" (as papermill does)."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    parameters = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(parameters + 1, nbformat.v4.new_code_cell(TINY))
+    return nb
 
 
 def _text(cell: NotebookNode, stream: str = "stdout") -> str:
@@ -105,9 +115,7 @@ def _cmdline(pid: int) -> str:
 def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    parameters = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    nb.cells.insert(parameters + 1, nbformat.v4.new_code_cell(TINY))
+    nb = _tiny_notebook()
     work = tmp_path / "work"
     work.mkdir()
     client = NotebookClient(nb, timeout=HANG, kernel_name=_kernelspec(tmp_path / "jupyter"),
@@ -127,6 +135,24 @@ def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: 
                 await _a_worker_killed(kernel, work)
                 await _the_kernels_environment_now(kernel)
         asyncio.run(drive())
+
+
+@pytest.mark.timeout(900)  # a fresh venv's install first (venvs.INSTALL_S)
+def test_the_notebook_extra_runs_the_example_top_to_bottom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's install for notebooks, `pip install "mnist-ddp[notebook]"` (with torch) into a fresh venv and
+    nothing else, runs the example notebook top to bottom in a kernel of that venv: the plots, the bar's widget
+    and run.dataframe()'s table included; only the cell tagged to raise raises."""
+    bin_, env = fresh_venv(tmp_path / "install", "notebook")
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    nb, work = _tiny_notebook(), tmp_path / "work"
+    work.mkdir()
+    NotebookClient(nb, timeout=HANG, kernel_name=_kernelspec(tmp_path / "jupyter", bin_ / "python"),
+                   resources={"metadata": {"path": str(work)}}).execute(env=env)
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or _errors(cell) == [] or "raises-exception" in cell.metadata.tags, cell
+    assert "text/html" in _cell(nb, "run.dataframe()").outputs[0].data
+    assert any(WIDGET in o.get("data", {}) for o in _cell(nb, "run = train(processes=2").outputs)
+    assert all("image/png" in o.data for o in _cell(nb, "run.show()").outputs)
 
 
 async def _the_notebook(kernel: Kernel, work: Path, said: str) -> None:

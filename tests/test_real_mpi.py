@@ -23,7 +23,8 @@ from launchers import (
 )
 from procfs import finish, marked_env, reaped, start
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the MPI launchers are tested on Linux")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the MPI launchers are tested on Linux"),
+              pytest.mark.timeout(600)]  # a SLURM cluster to start for some, and HANG-guarded phases
 TRAIN = [sys.executable, "-m", "mnist_ddp", "train", *tiny(600, 100)]
 HANG = 240  # seconds: a hang detector on a shared machine, not a timing assertion
 

@@ -18,7 +18,8 @@ from conftest import REPO, metrics, progress, tiny
 from launchers import SLURM_TOOLS, Cluster, local_cluster, machines, need, slurm_cluster
 from procfs import marked_env, reaped, wait_for
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SLURM's daemons run on Linux")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="SLURM's daemons run on Linux"),
+              pytest.mark.timeout(600)]  # a cluster to start and jobs with several HANG-guarded phases each
 TRAIN = [sys.executable, "-m", "mnist_ddp", "train"]
 HANG = 240  # seconds: a hang detector on a shared machine, not a timing assertion
 LONG = [*tiny(1200, 100, epochs=50), "--checkpoint-every", "2", "--batch-size", "50"]  # stopped long before its end

@@ -3,16 +3,10 @@
     from mnist_ddp import train
     run = train(epochs=2, processes=2, dataset="synthetic", out="runs/nb")
 
-Each keyword is a flag of `mnist-ddp <command>` with underscores for dashes (`train_samples=` is
-`--train-samples`, `download=False` is `--no-download`), and `processes=` is `-g/--gpus`. The keywords are
-written out as that command line, which the command's own parser and config classes read (`cli.configure`)
-and its own launcher runs (`cli.run_train`): the same defaults, the same checks with the same one-sentence
-`UserError`, and inside torchrun, srun or mpirun the same reading of their variables. What is the caller's
-own: results come back as data (results.py); an error is raised as one exception whose traceback stops at
-the call; and the caller's Ctrl-C handlers are put back afterwards, for a Jupyter kernel lives on where the
-command would exit. `processes=G`'s workers come from the fork server (forkserver.py), a fresh interpreter,
-never a fork of the caller, so a kernel that has used torch, or CUDA, passes none of it on to them.
-No torch at import: `import mnist_ddp` stays instant.
+Each keyword is a flag of `mnist-ddp <command>` (underscores for dashes, `download=False` is `--no-download`,
+`processes=` is `-g/--gpus`), written out as that command line for the command's own parser (`cli.configure`)
+and launcher (`cli.run_train`). The caller's own: results as data (results.py), one exception whose traceback
+stops at the call, Ctrl-C handlers put back. No torch at import (docs/python-and-notebooks.md).
 """
 
 import argparse

@@ -1,20 +1,7 @@
-"""`mnist-ddp bench`: how much faster than the tutorial, measured side by side in one run.
-
-Four runs on the same data, one after the other, each in fresh processes:
-
-  tutorial, 1 process     the tutorial's pipeline (tutorial.py: per sample a PIL image and
-                          ToTensor where torchvision is importable, else a tensor; the label
-                          and bench.json say which), trained until it reaches the target
-                          accuracy or its epoch / time limit
-  ours, 1 process         `mnist-ddp train` with its defaults, exactly as a user runs it
-  tutorial DDP, G procs   the tutorial's DDP script (DistributedSampler + DataLoader + DDP), one epoch
-  ours, -g G              `mnist-ddp train -g G`
-
-and three comparisons: (a) images/s in one process, (b) images/s with G processes, against
-the tutorial's DDP and against one process, (c) seconds of training and testing until the
-test accuracy first reaches the target. Images/s is the median over a run's epochs. Loading
-the data and starting processes are timed on neither side. Benchmarks print; they never assert.
-"""
+"""`mnist-ddp bench`: how much faster than the tutorial, measured side by side in one run: four runs on the same
+data, each in fresh processes (the tutorial's pipeline and ours, in one process and in G), compared by images/s
+(the median over a run's epochs) and by seconds to the target accuracy. Loading the data and starting processes
+are timed on neither side; it prints, never asserts. What each run and number is: benchmarks/README.md."""
 
 import json
 import os

@@ -1,25 +1,6 @@
-"""Checkpoints that are atomic, portable and safe to load.
-
-Saved: the plain model's state_dict (no `module.`/`_orig_mod.` prefixes, so it loads
-into the tutorial's model as it is), optimizer, scheduler, progress, RNG state, the
-GradScaler's state, every micro-batch slot's BatchNorm statistics (the model holds their
-mean) and the config — plain tensors and Python values only, so `torch.load(weights_only=True)`
-reads it and a checkpoint from a stranger cannot run code. A save writes a temp file,
-fsyncs it and renames it over the old one, so a crash or a full disk mid-save leaves the
-previous checkpoint whole.
-
-Nothing a failure leaves behind is trusted: every checkpoint carries a SHA-256 digest of its
-contents (every tensor's bytes, every value, every key), checked on every load, so flipped bits
-(bit rot, an interrupted copy, a bad disk) are refused by name instead of being trained on. The
-digest covers the contents, not the zip's bytes: torch.save's CRCs are never checked on load, and
-a file whose every byte is verified says nothing about whether it unpickles to the same values.
-The run's latest checkpoint also keeps the one before it (`checkpoint.prev.pt`), which `--resume`
-falls back to when the latest is damaged, truncated, missing or another run's (`load_latest`).
-
-Only a torch whose weights-only loader has no known way to run code reads a file (`SAFE_TORCH`). What
-rank 0 loaded reaches the other ranks the same way (`pack`, `unpack`): as torch.save bytes of tensors and
-plain values, read with the weights-only loader and checked against their digest — never re-pickled.
-"""
+"""Checkpoints that are atomic (temp file, fsync, rename), portable (the plain model's state_dict) and safe to
+load: plain values for the weights-only loader, a digest of the contents checked on every load, the previous
+checkpoint kept to fall back to (docs/design/checkpoints.md)."""
 
 import ctypes
 import hashlib
@@ -32,12 +13,12 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
-from . import atomic
+from . import atomic, interrupts
 from .errors import UserError
 from .model import ConvNet
 
@@ -108,7 +89,13 @@ def save(path: Path, payload: dict[str, Any], keep_previous: bool = False) -> No
     contents = {**payload, "format": FORMAT}
     contents.pop("digest", None)  # a loaded checkpoint saved again gets a digest of what it holds now
     contents["digest"] = digest(contents)
-    atomic.write(path, lambda f: torch.save(contents, f), keep=previous(path) if keep_previous else None)
+    atomic.write(path, lambda f: _torch_save(contents, f), keep=previous(path) if keep_previous else None)
+
+
+def _torch_save(obj: Any, f: BinaryIO) -> None:
+    """torch.save, with Ctrl-C and SIGTERM held until it returns: its pickler would swallow them (interrupts.py)."""
+    with interrupts.held():
+        torch.save(obj, f)
 
 
 def _safe_load(source: Path | io.BytesIO, name: str | Path) -> Any:
@@ -189,8 +176,8 @@ def pack(found: tuple[Path, dict[str, Any]] | None) -> bytes:
     """What `load_latest` found, as bytes for the other ranks (`Dist.from_main`): torch.save of its tensors and
     plain values (all that a weights-only load gave) and their digest, so that every rank checks what it got."""
     buffer = io.BytesIO()
-    torch.save({} if found is None else {"path": str(found[0]), "checkpoint": found[1], "digest": digest(found[1])},
-               buffer)
+    _torch_save({} if found is None else {"path": str(found[0]), "checkpoint": found[1], "digest": digest(found[1])},
+                buffer)
     return buffer.getvalue()
 
 

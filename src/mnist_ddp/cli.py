@@ -34,6 +34,29 @@ from .errors import UserError
 PROFILE_STEPS = 5  # what a bare --profile profiles
 
 
+class _DefaultOnce(argparse.HelpFormatter):
+    """Each option's help ends with its default, once: argparse's value, unless the help says it in words
+    already (`(default…`); a switch's default is off (not given), whatever value its flag stores."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in help:
+            return help
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            return f"{help} (default: off)"
+        return f"{help} (default: %(default)s)"
+
+
+def _by_recipe(knob: str) -> str:
+    """A recipe knob's default, for its help: the default recipe's value, and the others' where they differ."""
+    def said(value: object) -> str:
+        return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+    ours = getattr(RECIPES["default"], knob)
+    others = [f"{said(getattr(r, knob))} for --recipe {name}" for name, r in RECIPES.items()
+              if name != "default" and getattr(r, knob) != ours]
+    return f"(default: the recipe's: {', '.join([said(ours), *others])})"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (not a usage dump) and still exit code 2."""
 
@@ -56,14 +79,17 @@ def _data_args(p: argparse.ArgumentParser, dataset: str | None, dataset_help: st
     g.add_argument("--dataset", default=dataset, choices=DATASETS,
                    help=f"auto = MNIST if found or downloadable, else synthetic (default: {dataset_help or dataset})")
     g.add_argument("--data-dir", help="folder holding the four IDX files (plain or .gz; torchvision's "
-                   "MNIST/raw layout works too); searched first, and downloads go there")
-    g.add_argument("--no-download", dest="download", action="store_false", help="never download")
+                   "MNIST/raw layout works too); searched first, and downloads go there (default: none: ./data, "
+                   "then the system's dataset folders; downloads go to ./data)")
+    g.add_argument("--no-download", dest="download", action="store_false",
+                   help="never download (default: off: files found nowhere are downloaded)")
     g.add_argument("--mirror", dest="mirrors", action="append", default=[], metavar="URL",
-                   help="download from this base URL instead of the standard mirrors (repeatable)")
+                   help="download from this base URL instead of the standard mirrors (default: those; "
+                   "repeatable)")
     g.add_argument("--download-timeout", type=float, default=default(DataConfig, "download_timeout"),
                    help="seconds per request (default: %(default)s)")
-    g.add_argument("--train-samples", type=int, help="use only the first N training images")
-    g.add_argument("--test-samples", type=int, help="use only the first N test images")
+    g.add_argument("--train-samples", type=int, help="use only the first N training images (default: all)")
+    g.add_argument("--test-samples", type=int, help="use only the first N test images (default: all)")
 
 
 def _data_config(a: argparse.Namespace) -> DataConfig:
@@ -73,7 +99,7 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the ConvNet (one process, spawned processes, torchrun, mpirun or srun)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultOnce)
     _data_args(p, "mnist")
     g = p.add_argument_group("launch (the tutorial's flags; leave them out under torchrun, mpirun or srun)")
     g.add_argument("-n", "--nodes", type=int, default=1, help="number of nodes (machines)")
@@ -94,32 +120,36 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--heartbeat", type=float, default=default(TrainConfig, "heartbeat"),
                    help="seconds between each rank's beats to the rendezvous store, so that a timeout names the rank "
                         "that stopped answering (default %(default)s; 0: off)")
+    g.add_argument("--recover", action="store_true",
+                   help="when a process is lost, the others re-form without it and train on, losing no step "
+                   "(mnist-ddp's own launcher: -g, -n/-nr; see docs/faults.md)")
     g = p.add_argument_group("recipe (unset knobs come from --recipe)")
     g.add_argument("--recipe", default="default", choices=RECIPES,
                    help="default: AdamW + one-cycle, ~99%% MNIST in 2 epochs; tutorial: SGD lr 1e-4, as the tutorial")
-    g.add_argument("--optimizer", choices=OPTIMIZERS)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=_by_recipe("optimizer"))
     g.add_argument("--lr", type=float,
-                   help="peak learning rate; not scaled with the world size (see docs/world-size.md)")
-    g.add_argument("--momentum", type=float, help="SGD momentum, or AdamW's beta1")
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--batch-size", type=int,
-                   help="per micro-batch; the global batch is this × world size × --accumulate "
-                   "(see docs/world-size.md)")
-    g.add_argument("--epochs", type=int)
-    g.add_argument("--scheduler", choices=SCHEDULERS, help="per-step learning-rate schedule")
-    g.add_argument("--label-smoothing", type=float)
+                   help=f"peak learning rate; not scaled with the world size (docs/world-size.md) {_by_recipe('lr')}")
+    g.add_argument("--momentum", type=float, help=f"SGD momentum, or AdamW's beta1 {_by_recipe('momentum')}")
+    g.add_argument("--weight-decay", type=float, help=_by_recipe("weight_decay"))
+    g.add_argument("--batch-size", type=int, help="per micro-batch; the global batch is this × world size × "
+                   f"--accumulate (see docs/world-size.md) {_by_recipe('batch_size')}")
+    g.add_argument("--epochs", type=int, help=_by_recipe("epochs"))
+    g.add_argument("--scheduler", choices=SCHEDULERS,
+                   help=f"per-step learning-rate schedule {_by_recipe('scheduler')}")
+    g.add_argument("--label-smoothing", type=float, help=_by_recipe("label_smoothing"))
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                   help="normalise pixels with MNIST's mean and std")
+                   help=f"normalise pixels with MNIST's mean and std {_by_recipe('normalize')}")
     g.add_argument("--seed", type=int, default=default(TrainConfig, "seed"),
                    help="initial weights and the per-epoch shuffles")
     g.add_argument("--accumulate", type=int, default=default(TrainConfig, "accumulate"), metavar="K",
                    help="micro-batches per process per optimizer step (gradients all-reduced once per step); fixes "
                    "the run's global batch at its first start, which resumes at any world size keep")
-    g.add_argument("--eval-batch-size", type=int, default=default(TrainConfig, "eval_batch_size"))
+    g.add_argument("--eval-batch-size", type=int, default=default(TrainConfig, "eval_batch_size"),
+                   help="images per process per evaluation batch")
     g = p.add_argument_group("compute")
     g.add_argument("--amp", choices=AMP,
                    help="mixed precision (bf16 on CPU or CUDA, fp16 on CUDA); auto = bf16 on CPUs that do bf16 in "
-                   "hardware, else off (default: the recipe's: auto, or off for --recipe tutorial)")
+                   f"hardware, else off {_by_recipe('amp')}")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout (default: on for CPU, off for GPUs)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -140,7 +170,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="also checkpoint every STEPS optimizer steps within an epoch (0: epoch ends only)")
     g.add_argument("--target-accuracy", type=float, metavar="ACC",
                    help="stop after the first epoch whose test accuracy reaches ACC (0.99 for 99%%); not a "
-                   "setting --resume insists on: raise it or leave it out to train a finished run on")
+                   "setting --resume insists on: raise it or leave it out to train a finished run on (default: "
+                   "none: every epoch)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
     g.add_argument("--tensorboard", action="store_true",
@@ -150,7 +181,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    "curves.png and TensorBoard")
     g.add_argument("--profile", type=int, nargs="?", const=PROFILE_STEPS, metavar="STEPS",
                    help=f"profile STEPS steps (a bare --profile: {PROFILE_STEPS}) of the first epoch after a short "
-                   "warm-up: a Chrome trace per rank, each rank's phases as a table, <out>/profile/timeline.png")
+                   "warm-up: a Chrome trace per rank, each rank's phases as a table, <out>/profile/timeline.png "
+                   "(default: off)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,8 +250,8 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=addr, master_port=port,
         secret=read_secret(a.secret_file, os.environ), device=a.device, backend=a.backend, timeout=a.timeout,
-        heartbeat=a.heartbeat, recipe_name=a.recipe, recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}),
-        seed=a.seed,
+        heartbeat=a.heartbeat, recover=a.recover, recipe_name=a.recipe,
+        recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         graph_step=a.graph_step, sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,

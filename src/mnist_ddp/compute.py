@@ -1,17 +1,6 @@
-"""Per-device compute settings: how local processes share the cores, and the fastest precision and layout.
-
-`--amp auto` and an unset `--channels-last` are decided here, once the process knows
-its device. The choices follow measurements of this ConvNet (benchmarks/ab_compute.py):
-- CPU: channels_last always, and bf16 autocast where the CPU computes bf16 in hardware
-  (AMX or AVX512-BF16). Together they train ~2.4× faster than fp32 NCHW on a 2-core Xeon
-  with AMX; either one alone gives only 1.0–1.5×. Where bf16 would be emulated it is
-  slower than fp32, so fp32 stays.
-- CUDA: fp32 storage with TF32 tensor-core math and cuDNN autotuning. At this size every
-  step is bound by kernel launches, not arithmetic, and autocast only adds cast kernels;
-  `--amp bf16` is there to try (benchmarks/gpu_check.py compares both; not yet run on a GPU).
-- MPS: plain fp32, the layout and precision its kernels support best.
-An explicit flag always wins over these defaults.
-"""
+"""Per-device compute settings: how local processes share the cores, kernel settings, and the default precision
+and layout (CPU: channels_last, bf16 where in hardware; CUDA: fp32 with TF32; MPS: fp32). An explicit flag always
+wins; the measurements behind the defaults are in docs/design/compute.md."""
 
 import contextlib
 import os
@@ -23,11 +12,8 @@ from .errors import UserError
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU does bf16 arithmetic in hardware (AMX tiles or AVX512-BF16).
-
-    torch exposes the check only as private helpers; a torch without them reports False,
-    which is the safe answer (fp32).
-    """
+    """Whether this CPU does bf16 arithmetic in hardware (AMX tiles or AVX512-BF16); False (fp32, the safe
+    answer) where torch lacks the private helpers that tell."""
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
@@ -52,9 +38,7 @@ def autocast(device: torch.device, amp: str, cache: bool = True) -> contextlib.A
 
 
 # The cuBLAS workspace sizes with which its GEMMs are deterministic; torch refuses any other under
-# use_deterministic_algorithms. torch reads the variable itself, with getenv, when it first needs it: for that
-# check, and for the workspace it hands cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize,
-# its result kept for the process; hence "a new subprocess" per setting in torch/testing/_internal/common_utils.py).
+# use_deterministic_algorithms, and reads the variable once per process (docs/design/compute.md).
 DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
@@ -74,17 +58,9 @@ def cublas_workspace(deterministic: bool, device_type: str, env: Mapping[str, st
 
 
 def configure_backends(device: torch.device, deterministic: bool, bitwise: bool = False) -> str:
-    """Process-wide kernel settings for `device`; `deterministic` forbids the autotuned ones. Returns what it set
-    in the environment, for the log ('' when nothing).
-
-    `bitwise` (the same bits at any world size) needs kernels that compute a micro-batch the same way every
-    time: on a GPU the deterministic ones (no atomics, no autotuning: cuDNN's choice by timing differs from run
-    to run); on a CPU one thread per process does it (`share_cores`), whatever the kernels.
-
-    Called in every rank before it joins the process group and before any kernel runs: the environment must be
-    the rank's own (forked children have the fork server's, not the launcher's), cuBLAS reads it at its first
-    call, and ProcessGroupNCCL reads `use_deterministic_algorithms` when it is made (it then turns off NVLS
-    reductions, which are not deterministic)."""
+    """Process-wide kernel settings for `device`; `deterministic` (implied by `bitwise` off the CPU) forbids the
+    autotuned ones. Call in every rank before it joins the process group and before any kernel runs
+    (docs/design/compute.md). Returns what it set in the environment, for the log ('' when nothing)."""
     deterministic = deterministic or (bitwise and device.type != "cpu")
     settings = cublas_workspace(deterministic, device.type, os.environ)
     os.environ.update(settings)
@@ -105,16 +81,9 @@ def fused_optimizers(device: torch.device) -> bool:
 
 
 def share_cores(local_rank: int, local_world_size: int, threads: int | None = None) -> None:
-    """Give this CPU process its own slice of the cores: as many threads as cores in it (or `threads`), pinned
-    there.
-
-    Without it every local process would start one thread per core of the machine and they would
-    all fight over them. Pinning keeps a rank's threads (and gloo's, started later, which inherit
-    the pinning) off its neighbours' cores: measured with -g 2 on 2 cores, the ranks wait ~40% less
-    for each other at each all-reduce, ~7% faster steps. An explicit OMP_NUM_THREADS keeps its
-    thread count (torchrun sets 1 when it starts several processes per node); `threads` overrides both
-    (--bitwise: 1, because the CPU kernels' sums, and so their last bits, depend on the thread count).
-    """
+    """Give this CPU process its own slice of the cores, pinned there (Linux), with as many threads as cores in
+    it; an explicit OMP_NUM_THREADS keeps its count, and `threads` overrides both (--bitwise: 1). Why:
+    docs/design/compute.md."""
     has_affinity = hasattr(os, "sched_getaffinity")  # Linux; elsewhere only the thread count is shared
     allowed = sorted(os.sched_getaffinity(0)) if has_affinity else list(range(os.cpu_count() or 1))
     n = len(allowed)

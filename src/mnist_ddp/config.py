@@ -119,6 +119,7 @@ class TrainConfig:
     # MNIST_DDP_SECRET's (`read_secret`); None: none given. Never printed, never saved (`to_dict`).
     secret: bytes | None = field(default=None, repr=False)
     heartbeat: float = 1.0  # seconds between a rank's beats, so a timeout names who hangs (heartbeat.py); 0 = off
+    recover: bool = False  # survivors of a lost rank re-form in place and train on (recovery.py; -g, -n/-nr only)
     # What to train, and how.
     recipe_name: str = "default"
     recipe: Recipe = RECIPES["default"]
@@ -156,6 +157,9 @@ class TrainConfig:
                f"--master-port {self.master_port} is not a port number (0-65535).")
         _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
         _check(self.heartbeat >= 0, f"--heartbeat is seconds between beats (0: off), not {self.heartbeat}.")
+        _check(not self.recover or self.heartbeat > 0,
+               "--recover needs the heartbeat (--heartbeat > 0): the survivors tell a lost rank by its silence.")
+        _check(not (self.recover and self.profile), "--recover and --profile cannot be combined; choose one.")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
         _check(self.accumulate >= 1, f"--accumulate must be at least 1 micro-batch per step, not {self.accumulate}.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")

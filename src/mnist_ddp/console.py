@@ -1,13 +1,6 @@
-"""Where a run's lines and progress bar are shown: by the process the user started, also for `-g G`.
-
-A process that runs alone (or as a rank that torchrun, srun or mpirun started) prints and draws its bar
-itself. `-g G`'s children instead send their launcher everything they print, and rank 0's bar as numbers,
-over one pipe (`relay` in the launcher, `attach` in each child), and the launcher shows them. In a
-terminal that looks as it always did. In a Jupyter kernel it is what puts them in the cell: a child's own
-stdout is the kernel process's file descriptor, which reaches the cell only where the kernel captures it
-(ipykernel 6 and later, as plain text), and only the launcher can draw a notebook widget. The bar is
-tqdm.auto's: a widget in a notebook with ipywidgets, text elsewhere. Plain Python, no torch.
-"""
+"""Where a run's lines and progress bar are shown: a process alone, or a rank torchrun/srun/mpirun started, shows
+its own; `-g G`'s children send theirs over one pipe (`attach`) to the launcher (`relay`), which shows them, so
+they reach a notebook cell too, the bar as a tqdm.auto widget (docs/python-and-notebooks.md). No torch."""
 
 import io
 import json

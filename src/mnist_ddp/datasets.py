@@ -1,13 +1,6 @@
-"""Where the four IDX files of a dataset come from, and the checks they must pass.
-
-Lookup order for `mnist` and `fashion-mnist`: `--data-dir` (flat, `<dir>/<name>/` or
-torchvision's `<dir>/MNIST/raw`), then `./data/<name>` and torchvision's `./data/MNIST/raw`
-(never a flat `./data`, which would not say which dataset it holds), then system folders
-(Debian's `dataset-fashion-mnist` installs into /usr/share/datasets), and last a
-download from the standard mirrors, MD5-checked (the same files torchvision uses).
-`synthetic` is generated once per node and cached as plain IDX files (datacache.py) under
-`<data-dir or ./data>/synthetic/v<generator version>/`; `auto` means MNIST if it can be had, else synthetic.
-"""
+"""Where the four IDX files of a dataset come from (`--data-dir`, `./data`, system folders, then an MD5-checked
+download; `synthetic` generated and cached; `auto`: MNIST, else synthetic), and the checks they must pass.
+The order and its reasons: docs/design/data-sources.md."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +23,8 @@ SYNTHETIC_SEEDS = {"train": 20_240_601, "test": 20_240_602}  # fixed: the data, 
 
 
 class DataNotFound(UserError):
-    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt).
-
-    `why` is the short reason (no download allowed, or how it failed), for the one line
-    `--dataset auto` prints when it falls back to the synthetic digits.
-    """
+    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt); `why`, the short reason,
+    goes into the line `--dataset auto` prints when it falls back to the synthetic digits."""
 
     def __init__(self, source: "Source", dirs: list[Path], why: str) -> None:
         super().__init__(

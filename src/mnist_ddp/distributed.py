@@ -5,6 +5,7 @@ bytes in uint8 tensors, never pickles: JSON, or a digest-checked weights-only ch
 import gc
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .identity import Identity
 from .membership import Credentials
 
 T = TypeVar("T")
+LEAVE_S = 2.0  # after an error, how long closing the process group may take before the rank leaves it open
 MAX_SHARED = 64 * 2**20  # bytes: what one rank may send the others (a checkpoint is ~0.4 MB)
 
 
@@ -234,9 +236,7 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
             beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
                              store_host=0 if ident.store_host == "rank0" else None)
         membership.wait_for_all(store, ident, creds, entry, deadline)
-        # nccl: device_id makes the communicator now, inside these clear errors, and binds barrier() to the GPU.
-        dist.init_process_group(backend, store=store, rank=ident.rank, world_size=ident.world_size, timeout=timeout,
-                                **({"device_id": device} if backend == "nccl" else {}))
+        form_group(backend, store, ident.rank, ident.world_size, timeout, device)
         if beat:
             beat.set_phase("setting up (data, model, checkpoint)")
         return beat
@@ -260,6 +260,14 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
         raise
 
 
+def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: timedelta,
+               device: torch.device) -> None:
+    """`init_process_group` over `store`, where every rank is known to be in (also a re-formed group: recovery.py)."""
+    # nccl: device_id makes the communicator now, inside the callers' clear errors, and binds barrier() to the GPU.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            **({"device_id": device} if backend == "nccl" else {}))
+
+
 def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
     return (f"rank {ident.rank} and another process of this job use the same GPU ({device}; NCCL: \"Duplicate GPU "
             f"detected\"); give each process its own GPU (srun --gpus-per-task 1, or CUDA_VISIBLE_DEVICES set per "
@@ -277,18 +285,29 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistNetworkError | dist.DistStoreError) or any(m in str(e) for m in _PEER_GONE)
 
 
-def teardown(together: bool) -> None:
-    """Leave the process group; called once, from a `finally`, so also after an error.
+def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
+    """Leave the process group; called once, from a `finally` (and by recovery.py before it re-forms), so also after
+    an error. Returns whether it closed.
 
     `together` (after success only): first wait for every rank, so that none closes its connections while
     another is still finishing (rank 0 writes the last checkpoint); a rank that left early made its
     peers' gloo threads abort now and then ("terminate called without an active exception").
+    Not `together` (an error, or told to stop): a peer may be gone while the group's threads still wait on it,
+    up to --timeout, and closing the group joins them. So it gets `leave_s`; False: it is still closing, and the
+    caller must end the process with os._exit (the interpreter's own exit would join those threads too).
     """
-    if dist.is_available() and dist.is_initialized():
-        if together:
-            dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
-        # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
-        # group's gloo threads are stopped here rather than by destructors while the interpreter exits
-        # (where a still-running thread aborts the process: "terminate called without an active exception").
-        gc.collect()
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if together:
+        dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
+    # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
+    # group's gloo threads are stopped here rather than by destructors while the interpreter exits
+    # (where a still-running thread aborts the process: "terminate called without an active exception").
+    gc.collect()
+    if together:
         dist.destroy_process_group()
+        return True
+    closing = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    closing.start()
+    closing.join(leave_s)
+    return not closing.is_alive()

@@ -1,9 +1,5 @@
-"""Fetch a file over HTTP(S) so that a failure can never leave a bad file behind.
-
-Bytes go to a temporary file beside the target, are checked against the expected
-MD5, and only then renamed into place (rename is atomic on POSIX). A file lock
-lets many processes ask at once while only the first one downloads.
-"""
+"""Fetch a file over HTTP(S) so that a failure can never leave a bad file behind: MD5-checked in a temporary file,
+then renamed into place; a file lock lets only one of many processes download (docs/design/data-sources.md)."""
 
 import contextlib
 import fcntl

@@ -1,13 +1,5 @@
-"""Where `-g G`'s processes come from: a fork server that imported torch once, started as early as can be.
-
-A spawned child is a fresh interpreter that imports torch again (~1.5 s) and, at its first optimizer,
-torch._dynamo (~1.5 s: torch.optim imports it whatever runs), each child on its own: with four children
-on two cores that was most of the start-up. A fork server (multiprocessing's "forkserver") imports them
-once, in one process, and every child is a fork of it, with all of it already loaded: it is as clean as a
-spawned child (the server runs nothing but imports; none of torch's threads exist yet), unlike forking the
-launcher itself, which by then holds the rendezvous store and its thread. No torch here: `start` is called
-before the launcher imports torch, so that the server's imports and the launcher's run side by side.
-"""
+"""Where `-g G`'s processes come from: a fork server that imports torch and torch._dynamo once, started before the
+launcher imports torch (so no torch here); every child is a clean fork of it (docs/design/forkserver.md)."""
 
 import multiprocessing
 import multiprocessing.connection
@@ -15,6 +7,7 @@ import multiprocessing.forkserver
 import os
 import select
 import signal
+import sys
 import threading
 import time
 
@@ -29,13 +22,8 @@ def start() -> None:
 
 
 def die_with_launcher() -> None:
-    """In a child: Ctrl-C itself (SIGINT, which unwinds it) when the launcher dies, however it dies.
-
-    torch's children ask the kernel for that (PR_SET_PDEATHSIG), but the kernel tells a child of its parent's
-    death, and the parent of a forked child is the fork server, which lives on as long as any child does: a
-    launcher killed with SIGKILL would leave its workers training. The launcher holds the write end of a pipe
-    to each child (multiprocessing's parent sentinel); when it dies, the pipe ends and a thread here sees it.
-    """
+    """In a child: Ctrl-C itself (SIGINT, which unwinds it) when the launcher dies, however it dies, as a thread
+    sees the launcher's pipe (multiprocessing's parent sentinel) end; PR_SET_PDEATHSIG would watch the server."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -47,23 +35,16 @@ def die_with_launcher() -> None:
 
 
 def adopt(environ: dict[str, str]) -> None:
-    """In a child: the launcher's environment as it is now, not the server's. The server keeps the environment
-    it started with, and in a notebook it outlives many launches: a variable set in the kernel since
-    (CUDA_VISIBLE_DEVICES, NCCL_*, GLOO_SOCKET_IFNAME, …) must reach the workers, as it reaches a fresh process.
+    """In a child: the launcher's environment as it is now, not the server's (which may be many launches old).
     What torch read when the server imported it (OMP_NUM_THREADS, for one) stays the server's."""
     os.environ.clear()
     os.environ.update(environ)
 
 
 class Workers:
-    """The launcher's own hold on its workers, which are the fork server's children, not the launcher's.
-
-    multiprocessing learns that a worker ended from the server. A SIGTERM to the whole process group (`kill --
-    -PGID`, scancel, a container's stop) ends the server at once (it handles SIGINT, not SIGTERM), and from then
-    on multiprocessing reports every worker ended, exit code 255, while they are still unwinding: a launcher
-    that trusted it returned, and left them running. A pidfd per worker (Linux) sees the process itself, dead
-    or alive whoever its parent is now; elsewhere `kill(pid, 0)` asks the same by pid.
-    """
+    """The launcher's own hold on its workers, which are the fork server's children, not the launcher's: a pidfd
+    per worker (Linux; elsewhere `kill(pid, 0)`), which still tells after a SIGTERM to the process group ended
+    the server and multiprocessing reports every worker ended (docs/design/forkserver.md)."""
 
     def __init__(self, pids: list[int]) -> None:
         self.handles: dict[int, int | None] = {}
@@ -91,9 +72,13 @@ class Workers:
 
     def stop(self, grace: float) -> None:
         """SIGTERM every worker still running (which unwinds it like Ctrl-C), SIGKILL any still there after
-        `grace` seconds (stuck in a C++ call, or stopped), and return only when every one has ended."""
+        `grace` seconds (stuck in a C++ call, or stopped) with a line that names it, and return only when every
+        one has ended."""
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
             for pid in self.alive():
+                if sig == signal.SIGKILL:
+                    print(f"mnist-ddp: worker pid {pid} was still there {grace:g} s after it was told to stop; killed "
+                          f"it (SIGKILL).", file=sys.stderr, flush=True)
                 self._send(pid, sig)
             deadline = None if wait is None else time.monotonic() + wait
             while self.alive() and (deadline is None or time.monotonic() < deadline):

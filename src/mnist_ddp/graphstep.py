@@ -1,6 +1,6 @@
 """The textbook step as device work alone, captured once as a CUDA graph and replayed; on the CPU the same code
 runs eagerly, which is how the tests prove what a replay does. Only where each rank trains one whole micro-batch
-(no --bitwise, --profile, fp16, --sync-bn, --compile); a reader can skip it (docs/design/graph-step.md)."""
+(no --bitwise, --profile, fp16, --sync-bn, --compile, --recover); a reader can skip it (docs/design/graph-step.md)."""
 
 import math
 import time
@@ -13,11 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import flatopt, schedule
-from .batches import DeviceData, shard_indices
+from . import compute, flatopt, schedule
+from .batches import DeviceData, ShardedBatches, StepBatches, shard_indices
 from .compute import autocast
 from .config import Recipe, TrainConfig
 from .distributed import Dist
+from .state import Training
 
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuDNN's choices, NCCL's communicator, the allocator)
 PACE = 8  # on CUDA the host runs at most this many steps ahead of the GPU (graph replays never block on their own)
@@ -28,10 +29,27 @@ def eager_because(cfg: TrainConfig, device: torch.device, amp: str, textbook: bo
     reasons = [(cfg.graph_step == "off", "--graph-step off"),
                (cfg.graph_step == "auto" and device.type != "cuda", f"{device.type}: CUDA graphs are CUDA's"),
                (not textbook, "each process does not train one whole micro-batch (or --bitwise, --profile)"),
+               (cfg.recover, "--recover snapshots and restores the eager step's state"),
                (amp == "fp16", "fp16's loss scaler decides on the host"),
                (cfg.sync_bn, "--sync-bn's collectives run inside the forward"),
                (cfg.compile, "--compile compiles the eager step")]
     return next((why for excluded, why in reasons if excluded), "")
+
+
+def choose(cfg: TrainConfig, d: Dist, t: Training, batches: ShardedBatches | StepBatches, textbook: bool,
+           say: Callable[[str], None]) -> "GraphStep | None":
+    """The run's graph step where it applies, else None; one line through `say` on which step runs (none where a
+    CPU run under --graph-step auto is eager, as it always was)."""
+    amp = compute.amp_for(cfg.recipe.amp, d.device)
+    if why := eager_because(cfg, d.device, amp, textbook):
+        if cfg.graph_step == "on" or d.device.type == "cuda":
+            say(f"step: eager ({why})")
+        return None
+    capture = d.device.type == "cuda"
+    how = "captured as a CUDA graph and replayed" if capture else "the graph step, eagerly"
+    say(f"step: {how}" + ("; gradients averaged by one all-reduce of a flat buffer" if d.world_size > 1 else ""))
+    return GraphStep(t.model, t.opt, batches.data, cfg.recipe, d, seed=cfg.seed, amp=amp, capture=capture,
+                     timeout_s=cfg.timeout)
 
 
 class PeerTimeout(dist.DistNetworkError):
@@ -67,14 +85,16 @@ class GraphStep:
     def global_batch(self) -> int:
         return self.d.world_size * self.batch_size
 
-    def set_epoch(self, epoch: int, first: int, epochs: int) -> None:
-        """The epoch's order (this rank's shard, DistributedSampler's rule) and lr table, from step `first` on."""
+    def begin_epoch(self, epoch: int, first: int = 0) -> range:
+        """The epoch's order (this rank's shard, DistributedSampler's rule) and lr table; its step indices from
+        `first` on, for `step`."""
         self.model.train()
         order = shard_indices(self.n, self.d.rank, self.d.world_size, shuffle=True, seed=self.seed, epoch=epoch)
         self.order.copy_(self.data.to_device(order))
-        table = [self.hyper(epoch, s, epochs) for s in range(self.steps_per_epoch)]
+        table = [self.hyper(epoch, s, self.r.epochs) for s in range(self.steps_per_epoch)]
         self.table.copy_(torch.tensor(table, dtype=torch.float64))  # rounded once, to the parameters' dtype
         self.index.fill_(first)
+        return range(first, self.steps_per_epoch)
 
     def hyper(self, epoch: int, step: int, epochs: int) -> tuple[float, float]:
         """The lr and momentum (AdamW's beta1) of `step` of `epoch`: the schedule at the run's fraction done then."""
@@ -86,8 +106,8 @@ class GraphStep:
         """This rank's samples in `step` of an epoch (the last may be short)."""
         return min(self.batch_size, self.shard - step * self.batch_size)
 
-    def step(self, step: int) -> None:
-        """Queue `step` (the one `index` points at); its mean loss goes to `loss`."""
+    def step(self, step: int) -> torch.Tensor:
+        """Queue `step` (the one `index` points at); returns `loss`, its mean loss, which the next step overwrites."""
         size = self.size(step)
         if self.pacer:
             self.pacer.wait()
@@ -99,6 +119,7 @@ class GraphStep:
             self.run(size)
         if self.pacer:
             self.pacer.record(step)
+        return self.loss
 
     def run(self, size: int) -> None:
         """One step of `size` samples per rank, as device work only: what a graph holds."""

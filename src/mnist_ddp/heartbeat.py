@@ -1,23 +1,5 @@
-"""Which rank hangs: every rank says where it is, so that a timeout can name the one that stopped answering.
-
-A collective that times out only knows that *some* peer did not answer; at 64 ranks on 8 hosts that is
-useless. So each rank runs a small thread that, every `interval` seconds, writes one short record to the
-job's rendezvous store (the one the process group met at, under its own prefix, over a connection of its
-own): host, pid, a counter that grows with every beat, and what the rank was last doing, as the training
-loop reports it with `at` (no I/O in the loop: a new phase only wakes the thread). The thread beats while the
-main thread waits inside a collective, so a healthy rank keeps beating; a frozen (SIGSTOP) or dead one does not.
-
-When a collective or the rendezvous fails, `diagnose` reads every rank's record twice, a few beats apart:
-those whose counter did not move are the silent ones. A silent rank on this machine (the same kernel and
-pid namespace) is looked up in /proc: gone, stopped (SIGSTOP, a debugger) or alive but silent; for one on
-another machine, a survivor there writes what it saw under `fate/<rank>` while it diagnoses. A rank that
-left on purpose writes a last record saying why (`stop`), so a survivor that already gave up is not taken
-for the culprit, and a rank that failed for a reason of its own is named with it. When the store itself
-does not answer, its host (rank 0 under srun or a hand-made launch) froze or died with it, and is named
-from the roster every rank reads once at the start. No call to the store that must end can hang (`_bounded`).
-Anyone who reaches the store can write these keys, so a record is read as untrusted input (untrusted.py): one
-that is not a beat of ours is an *unreadable beat from rank N*, said as such, and never stops the thread.
-"""
+"""Which rank hangs: every rank's thread beats to the store (host, pid, what it does), so that a failed collective
+can name the rank that stopped answering, dead or frozen (docs/design/heartbeat.md)."""
 
 import json
 import os
@@ -72,10 +54,14 @@ def _fate(beat: dict) -> str:
             "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
 
 
+def gone(beat: dict) -> bool:
+    """Whether the process that published `beat` is known to have ended: it ran on this machine and /proc says so."""
+    return beat["node"] == _node() and _fate(beat).startswith("gone")
+
+
 def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
-    """`fn()`, or None if it raised a store error or did not return within `seconds`. A TCPStore client waits
-    without end for a frozen host's answer (its timeout is not applied there), and blocks every other call on
-    the same connection meanwhile, so nothing that must end (a failing rank's last word) calls it directly."""
+    """`fn()`, or None if it raised a store error or did not return within `seconds`: a TCPStore call may wait
+    for a frozen host without end (docs/design/heartbeat.md)."""
     found: list[T] = []
 
     def call() -> None:
@@ -156,6 +142,10 @@ class Heartbeat:
             _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
         if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
+
+    def beats(self) -> dict[int, dict]:
+        """Every rank's last readable record (recovery.py tells the silent ranks by it)."""
+        return self._read()[0]
 
     def _read(self) -> tuple[dict[int, dict], dict[int, str]]:
         """Every rank's last record (ranks that never beat are missing), and why those that are not a beat of

@@ -1,12 +1,5 @@
-"""Who am I in the job: rank, world size, and where the others are to be met.
-
-A process learns its place from one of four launchers — our own spawn (the tutorial's
--n/-g/-nr, built in `launch.py`), torchrun (RANK/LOCAL_RANK/WORLD_SIZE…), an MPI launcher's
-`mpirun`/`mpiexec` (OMPI_COMM_WORLD_RANK, PMI_RANK…) or SLURM's srun (SLURM_PROCID/SLURM_NTASKS…)
-— and every one of them ends in the same `Identity`. MPI only starts the processes: they still
-meet at a rendezvous store and talk gloo/nccl. Plain Python, no torch: this only reads numbers
-and checks that they describe a real seat.
-"""
+"""Who am I in the job: the same `Identity` (rank, world size, where to meet) from our spawn, torchrun, an MPI
+launcher or SLURM, checked to describe a real seat. Plain Python, no torch (docs/design/identity.md)."""
 
 import os
 import re
@@ -210,12 +203,8 @@ def _from_mpi(env: Mapping[str, str], names: MpiVars) -> Identity:
 
 
 def from_env(env: Mapping[str, str]) -> Identity | None:
-    """The identity torchrun, an MPI launcher or SLURM gave this process, or None if none launched it.
-
-    torchrun's variables win: under `srun torchrun …` both sets are present, and torchrun's describe the
-    processes it started. MPI's win over SLURM's: `mpirun` inside an `sbatch` allocation hands its processes
-    the SLURM numbers of the batch step (or of its own helper daemons' step), which describe no rank.
-    """
+    """The identity torchrun, an MPI launcher or SLURM gave this process, or None if none launched it; where
+    several left variables, torchrun's win over MPI's, and MPI's over SLURM's (docs/design/identity.md)."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return _from_torchrun(env)
     for names in MPI_LAUNCHERS:

@@ -1,7 +1,5 @@
-"""`evaluate` and `predict`: use any ConvNet checkpoint, one process.
-
-The command prints what the Python API (api.py) returns: an `Evaluation`, and a `Prediction` per image.
-"""
+"""`evaluate` and `predict`: use any ConvNet checkpoint, one process. The command prints what the Python API
+(api.py) returns: an `Evaluation`, and a `Prediction` per image."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import replace

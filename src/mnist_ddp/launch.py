@@ -40,6 +40,7 @@ from . import (
     heartbeat,
     identity,
     outdir,
+    recovery,
     rendezvous,
     tb,
     trainer,
@@ -96,13 +97,14 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
             print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any process "
                   f"that can reach {ident.master_addr}:{ident.master_port} could have joined it; give every node the "
                   f"same secret (see docs/security.md).", file=sys.stderr, flush=True)
-        finished = False
+        finished, rec = False, None
         try:
             if check_out:
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            trainer.run(cfg, d)
+            rec = recovery.for_run(ident, cfg)  # --recover's, else None
+            trainer.run(cfg, d, rec)
             finished = True
             return 0
         except RuntimeError as e:
@@ -116,8 +118,11 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                 ) from e
             raise
         finally:
+            words = _last_words(sys.exc_info()[1])
             if d.heartbeat:
-                d.heartbeat.stop(*_last_words(sys.exc_info()[1]))
+                d.heartbeat.stop(*words)
+            if rec:  # after a re-forming, the last generation's heartbeat
+                rec.stop(*words)
             distributed.teardown(together=finished)
 
 
@@ -206,16 +211,19 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
         run_worker(ident, cfg)
     except UserError as e:
         reports.put(e)
-        if isinstance(e, PeerFailure):
-            # Leave now: the interpreter's own exit would wait on gloo's threads for up to --timeout more when a
-            # peer froze, and the parent reports nothing until every child is gone. (Nothing of value is left
-            # unwritten: outputs are written whole, and the failed stretch is what --resume redoes.)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.exit_code)
-        sys.exit(e.exit_code)
+        _leave(e.exit_code)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _leave(130)
+
+
+def _leave(code: int) -> None:
+    """End a child that failed or was stopped, now: its process group may still be closing, and the interpreter's
+    own exit would wait on gloo's threads for up to --timeout when a peer froze (distributed.teardown), while the
+    parent reports nothing until every child is gone. (Nothing of value is left unwritten: outputs are written
+    whole, and the failed stretch is what --resume redoes.)"""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCPStore | None") -> str:
@@ -243,6 +251,17 @@ def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCP
     return "" if said.startswith("every rank still answers") else said
 
 
+def _running(children: mp.ProcessContext) -> list[int]:
+    return [p.sentinel for p in children.processes if p.exitcode is None]
+
+
+def _ended(children: mp.ProcessContext) -> bool | None:
+    """--recover, where a lost child does not end the job (recovery.py): False while some child runs, None once all
+    ended and some finished the run, True once all ended and none did (then the first failure is the job's)."""
+    codes = [p.exitcode for p in children.processes]
+    return False if None in codes else None if 0 in codes else True
+
+
 def spawn(cfg: TrainConfig) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store. On one node the
     parent makes the job's secret and hands it to its children alone (never to the store, never to disk)."""
@@ -267,7 +286,11 @@ def spawn(cfg: TrainConfig) -> int:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
             while True:
-                multiprocessing.connection.wait(list(children.sentinels))  # a child ended; the others still run
+                multiprocessing.connection.wait(_running(children) if cfg.recover else list(children.sentinels))
+                if cfg.recover and (ended := _ended(children)) is not True:  # a lost child: the others re-form
+                    if ended is None:
+                        break
+                    continue
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)
                 if children.join(grace_period=SETTLE_S):

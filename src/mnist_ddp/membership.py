@@ -1,28 +1,5 @@
-"""Who may join a job: a rank is counted only after it proves that it knows the job's secret and runs the same run.
-
-Whoever reaches the rendezvous store can read and write it (TCPStore has no authentication; PyTorch's
-SECURITY.md keeps its distributed features to trusted networks), so a process that says "I am rank 1" is
-not believed for saying so. Rank 0 admits the others, much as Horovod's driver signs its messages with a
-per-job key:
-
-1. rank 0 publishes a random nonce;
-2. every other rank writes a check-in under a key of its own (a random token, then listed under CHECKINS):
-   its rank, address, host and pid, its run's settings, and HMAC-SHA256(secret, nonce, rank, run digest,
-   address, host, pid). The secret itself never crosses the wire, and an old check-in signed an old nonce;
-3. rank 0 admits the first valid check-in of each rank and refuses every other one with one line that names
-   it and says why: another secret, another run, a rank already taken. As every check-in has a key of its
-   own, a stranger that checked in as rank r first cannot lock the real rank r out;
-4. once every rank is in, rank 0 welcomes each under its token, with an HMAC again (so a rank knows that the
-   job it joins holds the same secret), and they all go on to init_process_group.
-
-The run digest covers what every rank must agree on (config.run_settings: the settings a resume must keep, the
-data, the world), so a rank of another run that was pointed at the same address and port — a second job
-started by hand with another --seed — is refused while the first job waits on for its own. Without a secret
-(several nodes, none given) the same check-in still tells runs apart, but anyone could pass it.
-
-Every value read from the store is untrusted: one that does not parse is skipped (and ours rewritten), no
-wait depends on a key a stranger could withhold, and every wait ends by --timeout.
-"""
+"""Who may join a job: a rank is counted only after it proves at check-in that it knows the job's secret (an HMAC
+of rank 0's nonce) and runs the same run; rank 0 admits one per rank (docs/design/membership.md)."""
 
 import hashlib
 import hmac

@@ -1,12 +1,5 @@
-"""`--out`, the run folder: a run writes there only if it overwrites nothing, and only one run at a time.
-
-Two runs in one folder (a job submitted twice, a second shell) would interleave their checkpoints and
-metrics. So the one process that writes the outputs holds an exclusive `flock` on `<out>/.lock` for as
-long as the run lives, and a second run is refused before it writes anything there. The kernel drops the
-lock when its holder ends, however it ends (SIGKILL, OOM), so a killed run never leaves a stale lock and
-its restart (`--resume`, torchrun's restarted rank 0) takes it again. A run that ends on its own, error or
-not, also removes the file, so bad input leaves the folder as it found it.
-"""
+"""`--out`, the run folder: a run writes there only if it overwrites nothing, and only one run at a time, as the
+writing process holds a `flock` on `<out>/.lock` while it lives (docs/design/outdir.md)."""
 
 import fcntl
 import os
@@ -66,8 +59,7 @@ def claim(out: Path, resume: bool) -> Claim:
 
 def _lock(path: Path) -> int | None:
     """An open file descriptor holding an exclusive flock on `path`; None, after a warning, on a file system
-    without flock (some NFS mounts): the lock guards against a mistake, and refusing to run there at all
-    would cost more than it saves."""
+    without flock (some NFS mounts), where the run goes on unguarded."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
         try:

@@ -3,7 +3,8 @@ or `SlotReduction` (`--bitwise`: summed in slot order), and what `--profile` tim
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -25,6 +26,8 @@ class Reduction(ABC):
     """One way of reducing the step's gradients over the world, as a DDP comm hook (`comm_hook`)."""
 
     observer: BucketObserver | None = None
+    # --recover: every part's BatchNorm set, as the last reduction carried it
+    sets: Mapping[int, torch.Tensor] = MappingProxyType({})
 
     @abstractmethod
     def loss_weight(self, samples: int) -> float:
@@ -77,9 +80,16 @@ class SlotReduction(Reduction):
     micro-batch's loss weighs 1/samples, the same at any world (docs/design/bitwise.md)."""
 
     def __init__(self, model: nn.Module, share: Share, rank: int) -> None:
-        self.params, self.share = list(model.parameters()), share
+        self.params, self.share, self.rank = list(model.parameters()), share, rank
         self.trains = len(share.parts_of(rank)) > 0  # an idle rank (more ranks than slots) adds no slot of its own
         self.kept: dict[nn.Parameter, list[torch.Tensor]] = {}  # this step's earlier slots, per parameter
+        self.held: Callable[[], Mapping[int, torch.Tensor]] | None = None  # `carry_sets`
+        self.width = 0
+
+    def carry_sets(self, held: Callable[[], Mapping[int, torch.Tensor]], width: int) -> None:
+        """--recover: send this rank's BatchNorm sets (`held()`, by part, `width` numbers each) with each step's
+        gradients, so that every rank knows every part's (`sets`) when one is lost."""
+        self.held, self.width = held, width
 
     def loss_weight(self, samples: int) -> float:
         return 1 / samples
@@ -94,10 +104,18 @@ class SlotReduction(Reduction):
         params, buffer = bucket.parameters(), bucket.buffer()
         earlier = [laid_out(params, slot, buffer) for slot in zip(*(self.kept.pop(p, []) for p in params))]
         mine = [*earlier, buffer] if self.trains else []  # the buffer holds the rank's last slot
-        work, gathered = gather(mine, self.share, buffer, async_op=True)
+        n, held = buffer.numel(), self.held() if self.held is not None and bucket.index() == 0 else None
+        if held is not None:  # each row: the part's gradients, then its BatchNorm set
+            mine = [torch.cat([row, held[p]]) for row, p in zip(mine, self.share.parts_of(self.rank))]
+        like = buffer if held is None else buffer.new_empty(n + self.width)
+        work, gathered = gather(mine, self.share, like, async_op=True)
 
-        def summed(_: torch.futures.Future) -> torch.Tensor:
-            return ordered_sum(in_part_order(gathered, self.share), out=buffer)
+        def summed(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # raises what the gather raised (a lost peer), rather than summing what it left
+            parts = in_part_order(gathered, self.share)
+            if held is not None:
+                self.sets = {j: part[n:].clone() for j, part in enumerate(parts)}
+            return ordered_sum([part[:n] for part in parts], out=buffer)
         return work.get_future().then(summed)
 
 

@@ -1,15 +1,5 @@
-"""Where the processes of a job meet: the rendezvous store, and the network gloo and NCCL use.
-
-Every multi-process launch starts at a TCP key-value store on node 0 (rank 0's machine):
-node 0's spawning parent or rank 0 hosts it, torchrun's agent may host it for us, and every
-other process connects to it, finds the others' addresses there and then talks to them
-directly. The store listens only where the ranks can be: on loopback for a job on one machine,
-on the master address alone for several (not on every interface, as TCPStore would), and gloo
-and NCCL use the interface that leads there. Who may count as a rank is membership.py's to prove.
-The helpers here make the failure modes of that first contact clear and bounded by --timeout: a
-port in use, nobody listening, nodes that disagree on the world size, and a hostname that resolves
-to loopback.
-"""
+"""Where the processes of a job meet: node 0's rendezvous store, listening only where the ranks can be, and the
+network gloo and NCCL use; every wait is bounded by --timeout (docs/design/rendezvous.md)."""
 
 import errno
 import ipaddress
@@ -64,18 +54,15 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta, one_no
 
 
 def listen_address(addr: str, one_node: bool) -> str | None:
-    """The address node 0's store listens on: the master address, as this machine resolves it — loopback for a
-    job on one machine (so nothing from outside reaches it), the one interface the other nodes reach for
-    several. None (every interface) where the master address is a name that resolves to loopback here but
-    cannot be that for the other nodes (Debian's 127.0.1.1 for the host's own name)."""
+    """The address node 0's store listens on: the master address as this machine resolves it; None (every
+    interface) for several nodes whose master address is a name that resolves to loopback only here."""
     ip = resolve(addr)
     return None if not one_node and _loopback_by_name(addr, ip) else ip
 
 
 def _loopback_by_name(addr: str, ip: str) -> bool:
-    """Whether `addr` is a host name that resolves to the loopback address `ip` on this machine only (Debian's
-    127.0.1.1 for its own name): the other nodes resolve it to an address they can reach. A loopback address
-    written as such (127.0.0.1) means what it says: every node runs on this machine."""
+    """Whether `addr` is a host name (not an address written out) that resolves to the loopback address `ip`
+    here, as Debian's 127.0.1.1 for the host's own name."""
     try:
         ipaddress.ip_address(addr)
         return False
@@ -103,8 +90,7 @@ def _bound(ip: str, port: int) -> socket.socket:
 
 
 def _allow_many_connections() -> None:
-    """Raise this process's open-file limit to the hard limit: the store takes one descriptor per connection,
-    and at the common soft limit of 1024 a thousand stray connections would leave none for the ranks."""
+    """Raise this process's open-file limit to the hard limit, as the store takes one descriptor per connection."""
     if sys.platform == "win32":
         return
     import resource  # POSIX only
@@ -125,8 +111,8 @@ def resolve(addr: str) -> str:
 
 
 def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
-    """Wait until node 0's store accepts connections. Polling here, not inside TCPStore (whose client
-    retries past its own timeout, logging C++ traces), keeps the wait within --timeout and names the cause."""
+    """Wait until node 0's store accepts connections, polled here (not inside TCPStore) so the wait ends by
+    --timeout and names its cause."""
     addr, port, deadline = ident.master_addr, ident.master_port, time.monotonic() + timeout.total_seconds()
     resolve(addr)
     while True:
@@ -144,10 +130,8 @@ def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
 
 
 def connect(ident: Identity, timeout: timedelta, joining: bool = True) -> dist.Store:
-    """A client connection of our own to the job's store, in this attempt's namespace: torchrun's agent keeps
-    one store for all restarts, so a restarted worker would read the addresses its dead predecessors left
-    there and fail to connect (pytorch/pytorch#135712); each attempt gets a namespace of its own.
-    `joining`: counted as one of the world's processes (TCPStore's worker count), as a rank joins once."""
+    """A client connection of our own to the job's store, in this attempt's namespace where torchrun's agent hosts
+    it. `joining`: counted as one of the world's processes (TCPStore's worker count), as a rank joins once."""
     store = dist.TCPStore(ident.master_addr, ident.master_port, ident.world_size if joining else None,
                           is_master=False, timeout=timeout)
     return dist.PrefixStore(f"mnist_ddp/attempt_{ident.attempt}", store) if ident.store_host == "agent" else store
@@ -174,9 +158,7 @@ def joined_store(ident: Identity, timeout: timedelta) -> dist.Store:
 
 def socket_interfaces(ident: Identity, env: Mapping[str, str]) -> dict[str, str]:
     """What to set of GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (those the user left unset): the interface that
-    leads to the master, loopback for a job on one machine. Left alone, gloo listens on the address the
-    hostname resolves to (on many machines a loopback address other nodes cannot reach) and NCCL on the first
-    interface it likes (on multi-homed nodes often one the others cannot reach, and never loopback)."""
+    leads to the master, loopback for a job on one machine."""
     if ident.one_node:
         name = interface_to("127.0.0.1")
     else:

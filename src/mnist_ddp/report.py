@@ -1,8 +1,5 @@
-"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard.
-
-Only rank 0 reports. The other ranks get a `Reporter` with `enabled=False`, whose
-methods do nothing, so the training loop needs no `if rank == 0` branches.
-"""
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard. Only rank 0 reports:
+the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
 import json
 from collections.abc import Iterable, Iterator
@@ -64,6 +61,16 @@ class Reporter:
         if not (self.enabled and self.progress):
             return iter(items)
         return console.bar(items, total, desc, initial)
+
+    def taken_over(self, samples: int) -> "Reporter":
+        """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay."""
+        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard)
+        new.begin(samples)
+        return new
+
+    def forget_steps_after(self, samples: int) -> None:
+        """Drop logged steps after `samples` training samples: they are trained again."""
+        self.logged = [point for point in self.logged if point["samples"] <= samples]
 
     def keep_epochs_before(self, epoch: int) -> None:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""

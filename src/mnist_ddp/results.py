@@ -24,8 +24,9 @@ def _dataframe(rows: list[dict[str, Any]], name: str) -> Any:
     try:
         import pandas
     except ImportError:
-        raise ImportError(f"Run.{name}() needs pandas, which mnist-ddp does not install: pip install pandas (the same "
-                          f"rows are in Run.metrics and Run.steps as plain dicts).") from None
+        raise ImportError(f"Run.{name}() needs pandas, which mnist-ddp does not install: pip install pandas, or "
+                          f"'mnist-ddp[notebook]' (the same rows are in Run.metrics and Run.steps as plain "
+                          f"dicts).") from None
     return pandas.DataFrame(rows)
 
 

@@ -113,6 +113,12 @@ class PartStats:
         if self.in_model and self.live:
             self._load(self.sets[self.mine[0]])
 
+    def held(self) -> dict[int, torch.Tensor]:
+        """This rank's set of each of its parts, up to date (recovery hands them to the new world)."""
+        if self.in_model and self.live:
+            self.sets[self.mine[0]] = self._flat()
+        return self.sets
+
     @contextmanager
     def use(self, part: int | None) -> Iterator[None]:
         """The model's buffers hold `part`'s statistics for the forward pass inside (None: no part's)."""

@@ -1,11 +1,6 @@
-"""MNIST-shaped handwritten-looking digits, generated from a seed in pure torch.
-
-This is the dataset that always works: no network, no files. Each digit is a
-stroke template (polylines in a unit box) whose vertices are jittered, then put
-through a random affine map, drawn with a random pen width and blurred edge, and
-noised. The variation is tuned so the tutorial CNN learns it well but not
-perfectly — a sanity check that is not a tautology.
-"""
+"""MNIST-shaped handwritten-looking digits, generated from a seed in pure torch: the dataset that always works (no
+network, no files). A digit is a stroke template, jittered, warped, drawn with a random pen and noised, varied
+enough that the tutorial CNN learns it well but not perfectly: a sanity check that is not a tautology."""
 
 import itertools
 import math
@@ -58,11 +53,9 @@ def _padded_templates() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _render(seg: torch.Tensor, mask: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """Rasterise (B, S, 2, 2) pixel-space segments with pen `width` (B,) into (B, 28, 28) in [0, 1].
-
-    A template's real segments come first (`mask` is True on a prefix of each row), so segment `s` is drawn
-    only for the digits that have one: a "1" costs 2 segments, not the 20 of an "8" (2.4x faster, same bytes).
-    """
+    """Rasterise (B, S, 2, 2) pixel-space segments with pen `width` (B,) into (B, 28, 28) in [0, 1]. `mask` is True
+    on a prefix of each row (a template's real segments): a "1" costs 2 segments, not an "8"'s 20 (2.4x faster, same
+    bytes)."""
     ys, xs = torch.meshgrid(torch.arange(28.0) + 0.5, torch.arange(28.0) + 0.5, indexing="ij")
     px, py = xs.reshape(1, -1), ys.reshape(1, -1)  # pixel centres, (1, 784)
     nearest = torch.full((seg.shape[0], 784), float("inf"))

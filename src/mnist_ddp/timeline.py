@@ -1,32 +1,6 @@
-"""`--profile`: what each rank did in each step, as a Chrome trace per rank and one picture of all ranks.
-
-After a short warm-up (the first steps pay one-off costs: allocations, kernel choices), a few steps of
-the first epoch are profiled. Every rank records when each phase of its step began and ended: the
-training loop marks forward, backward and the optimizer (`phase`) and each step's end (`step`); the run's
-DDP comm hook (reduction.py) tells a `BucketClock` (`watch`), for every gradient bucket, when backward
-handed it over and when the reduced bucket came back, which is where the all-reduce really happens.
-torch.profiler records the same steps, op by op, into `<out>/profile/rank<r>.json.gz` (each rank on its own
-machine's disk), which Perfetto (ui.perfetto.dev) and chrome://tracing open.
-
-Then rank 0 gathers every rank's marks (one collective, on every rank at the same step), splits each
-step into phases that add up to it, prints the split per rank and draws `<out>/profile/timeline.png`:
-one lane per rank, time running left to right, so that stragglers and waiting show. The split:
-- data: before a forward, fetching the batch (and setting the lr);
-- forward, optimizer: as marked;
-- backward: the backward pass, less the all-reduce it waited for at its end;
-- all-reduce: from the moment the last rank handed over its last bucket until the reduced gradients were
-  back (what the transfer itself cost);
-- waiting: from the moment this rank handed over its last bucket until the last rank did: time lost to a
-  slower peer;
-- other: the rest of the step (the loop's bookkeeping, logging, checkpoints).
-Clocks: ranks on rank 0's machine share its clock; a rank on another machine is aligned to rank 0 by the
-moment the all-reduce finished, which all ranks see within about one network hop. On a GPU the comm hook's moments
-are CUDA events, read back at each step's end (`BucketClock`): a future's callback under NCCL runs when the
-all-reduce is queued, not done.
-
-Profiling never changes the training: the clock only watches the reduction that runs anyway (DDP's mean
-or --bitwise's), and nothing else touches the numbers.
-"""
+"""`--profile`: what each rank did in each step, as a Chrome trace per rank and one picture of all ranks, split into
+phases that add up to the step (docs/speed.md#see-a-step). It never changes the training: the comm hook's clock
+only watches the reduction that runs anyway. How it measures: docs/design/timeline.md."""
 
 import json
 import math
@@ -163,18 +137,8 @@ class StepProfiler:
 
 class BucketClock:
     """The moments a reduction's observer is told (reduction.BucketObserver): when backward handed a bucket over,
-    and when its reduced values were back. `record` gets both, as perf_counter seconds.
-
-    On the CPU a moment is perf_counter, read when the observer is told: gloo's future completes when the
-    all-reduce has. On a GPU that reading would be wrong twice: backward hands a bucket over once its gradient
-    kernels are queued, not run, and under NCCL the future's callback runs when the all-reduce is queued, with
-    the current stream made to wait for NCCL's (torch.futures.Future.then; ProcessGroupNCCL's WorkNCCL future),
-    so perf_counter there reads ~0 for the all-reduce and puts its time into backward. So on a GPU a moment is a
-    CUDA event recorded on the current stream when the observer is told, which completes when the work queued
-    before it has: the gradients, then the all-reduce. `settle`, once the device has caught up (the profiler
-    synchronizes at each step's end), turns them into perf_counter seconds from the step's `anchor`: a
-    perf_counter reading and an event recorded right after it, on an idle device (after a synchronize).
-    """
+    and when its reduced values were back; `record` gets both, as perf_counter seconds. On a GPU they are CUDA
+    events, turned into seconds by `settle` (docs/design/timeline.md says why)."""
 
     def __init__(self, record: Callable[[float, float], None], device: torch.device,
                  event: Callable[[], Any] | None = None) -> None:

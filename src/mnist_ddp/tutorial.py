@@ -1,16 +1,8 @@
-"""The tutorial's pipeline, rebuilt as the baseline `mnist-ddp bench` measures against.
-
-Not used for training. It does what the classic DDP-on-MNIST tutorial does, step for
-step: a map-style Dataset that turns one image at a time into a float tensor, a
-DataLoader with batch 100 and no worker processes, the same ConvNet, CrossEntropyLoss
-and plain SGD at lr 1e-4, no input normalisation. Where torchvision is importable (the
-tutorial's own dependency) each sample goes through a PIL image and ToTensor's
-arithmetic, as torchvision's MNIST + ToTensor do; where it is not, the PIL round trip is
-skipped (a tensor slice: if anything, a faster baseline), and the run says which
-(`pipeline`). Under DDP: a DistributedSampler (whose epoch the tutorial never set),
-`mp.spawn`, gloo on CPU, and no thread settings, exactly as the tutorial had none.
-Every rank runs `worker`; rank 0 appends one JSON line per epoch to `Spec.records`.
-"""
+"""The tutorial's pipeline, rebuilt as the baseline `mnist-ddp bench` measures against; not used for training. It
+does what the classic DDP-on-MNIST tutorial does, step for step (benchmarks/README.md): per sample a PIL image and
+ToTensor where torchvision is importable, no input normalisation, and under DDP a DistributedSampler whose epoch is
+never set, `mp.spawn`, gloo on CPU, no thread settings. Every rank runs `worker`; rank 0 appends one JSON line per
+epoch to `Spec.records`."""
 
 import importlib.util
 import json
@@ -102,8 +94,8 @@ def worker(local_rank: int, spec: Spec, world_size: int) -> None:
         _train(local_rank, spec, world_size, device)
         finished = True
     finally:
-        # Not the tutorial's (it never leaves the group): ours, so that the baseline's gloo threads do not
-        # abort a rank at exit now and then (CI: "terminate called without an active exception", SIGABRT).
+        # Not the tutorial's (it never leaves the group): ours, as without it the baseline's gloo threads now and
+        # then abort a rank at exit (SIGABRT, "terminate called without an active exception").
         distributed.teardown(together=finished)
 
 

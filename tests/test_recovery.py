@@ -1,0 +1,164 @@
+"""--recover: a lost rank costs no step. Real -g runs in which a rank is SIGKILLed at a chosen step (the test hook
+recovery.LOSE_VAR) or frozen (SIGSTOP), against the same run undisturbed: the same saved bytes under --bitwise
+(SHA-256 of every tensor, BatchNorm's buffers included), the same weights up to float rounding without it, and the
+same epochs, samples, global batch and lr in metrics.jsonl; also on two machines (network namespaces).
+
+The run is test_bitwise.py's chaotic one (fp32 SGD, momentum 0.9: any deviation grows), 2 epochs of 480 images in
+micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
+"""
+
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metrics, progress, run_cli, tiny
+from datafiles import ONE_THREAD
+from mnist_ddp import checkpoint, recovery
+from mnist_ddp.config import TrainConfig
+from mnist_ddp.errors import UserError
+from mnist_ddp.identity import Identity
+from netns import netns_pair
+from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
+
+pytestmark = needs_proc
+
+ARGS = [*tiny(480, 100, epochs=2), "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9",
+        "--scheduler", "none", "--amp", "off", "--seed", "3"]
+RUN_TIMEOUT = 240  # seconds: a hang detector on a shared box, not a timing assertion
+SAME = ("epoch", "train_samples", "global_batch", "lr", "batch_size")  # what metrics.jsonl must repeat
+
+
+def _train(out: Path, *extra: str, lose: str = "") -> str:
+    env = {**ONE_THREAD, **({recovery.LOSE_VAR: lose} if lose else {})}
+    r = run_cli("train", *extra, "--out", str(out), cwd=out.parent, env=env, timeout=RUN_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def _model(out: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(out / "checkpoint.pt")["model"]
+
+
+def _weights(out: Path) -> torch.Tensor:
+    """The trained parameters (not BatchNorm's running statistics, which only evaluation uses), as one vector."""
+    return torch.cat([v.flatten().float() for k, v in _model(out).items() if "running" not in k and "num_" not in k])
+
+
+def _recover_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("recover: ")]
+
+
+def _same_record(a: Path, b: Path) -> None:
+    assert [{k: m[k] for k in SAME} for m in metrics(a)] == [{k: m[k] for k in SAME} for m in metrics(b)]
+
+
+@pytest.fixture(scope="module")
+def bitwise(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Each world undisturbed, and with one rank lost in epoch 1; M = 4 also with two losses, rank 0 first and
+    the second where epoch 2 begins (step 15 done)."""
+    root, found = tmp_path_factory.mktemp("recover"), {}
+    runs = (("2", 2, ""), ("2, lost 1 at 7", 2, "1:7"), ("3", 3, ""), ("3, lost 2 at 5", 3, "2:5"),
+            ("4", 4, ""), ("4, lost 3 at 9", 4, "3:9"), ("4, lost 0 at 4 and 2 at 15", 4, "0:4,2:15"))
+    for name, world, lose in runs:
+        out = root / name.replace(" ", "_").replace(",", "")
+        found[name] = (out, _train(out, *ARGS, "--bitwise", "-g", str(world), "--recover", lose=lose))
+    return found
+
+
+@pytest.mark.parametrize("world, lost", [(2, "1 at 7"), (3, "2 at 5"), (4, "3 at 9"), (4, "0 at 4 and 2 at 15")])
+def test_survivors_save_the_undisturbed_runs_bytes(bitwise: dict[str, tuple[Path, str]], world: int,
+                                                   lost: str) -> None:
+    """SIGKILL a rank at a step: the others re-form, redo that step and finish the same run, to the bit."""
+    calm, (out, log) = bitwise[str(world)][0], bitwise[f"{world}, lost {lost}"]
+    lines = _recover_lines(log)
+    assert len(lines) == lost.count(" and ") + 1, log
+    for line, (rank, step) in zip(lines, [part.split(" at ") for part in lost.split(" and ")]):
+        assert line.startswith(f"recover: rank {rank} (") and "re-formed as generation" in line, line
+        epoch, in_epoch = divmod(int(step), 20 if world == 3 else 15 if world == 4 else 30)
+        assert f"lost at epoch {epoch + 1}, step {in_epoch + 1} " in line, line
+    assert f"after 2 epochs, world size {world - len(lines)};" in log, log
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
+    _same_record(out, calm)
+    assert progress(out) == progress(calm)
+    assert not _recover_lines(bitwise[str(world)][1])
+
+
+def test_two_machines_lose_a_rank_each_and_save_the_same_bytes(bitwise: dict[str, tuple[Path, str]],
+                                                               tmp_path: Path) -> None:
+    """-n 2 -g 2 on two network namespaces: rank 2 (node 1) is lost in epoch 1 and rank 0 (node 0) in epoch 2;
+    the two left, one on each machine, re-form over the veth cable and save the bytes of the undisturbed run."""
+    addrs = ("10.79.0.1", "10.79.0.2")
+    env, mark = marked_env({**ONE_THREAD, recovery.LOSE_VAR: "2:5,0:20"})
+    outs = [tmp_path / f"node{n}-disk" for n in range(2)]
+    with netns_pair(f"mrec-{uuid.uuid4().hex[:6]}", addrs) as names, reaped(mark):
+        nodes = [start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "-n", "2", "-g", "2", "-nr", str(n),
+                        "--master-addr", addrs[0], "--master-port", "29420", "--out", str(outs[n])], env, tmp_path,
+                       tmp_path / f"node{n}.log", prefix=["ip", "netns", "exec", names[n]]) for n in range(2)]
+        results = [finish(p, tmp_path / f"node{n}.log", RUN_TIMEOUT) for n, p in enumerate(nodes)]
+    for rc, log in results:
+        assert rc == 0, log
+    lines = _recover_lines(results[0][1] + results[1][1])
+    assert [line.split(" (")[0] for line in lines] == ["recover: rank 2", "recover: rank 0"], lines
+    # rank 0 was lost: the new rank 0, rank 1 on node 0, wrote the rest of --out there
+    assert checkpoint.digest(_model(outs[0])) == checkpoint.digest(_model(bitwise["4"][0]))
+    _same_record(outs[0], bitwise["4"][0])
+
+
+def test_the_runs_differ_where_they_should(bitwise: dict[str, tuple[Path, str]]) -> None:
+    """Control: other global batches (M = 2, 3, 4) are other runs, so the hash above can fail."""
+    hashes = {checkpoint.digest(_model(bitwise[w][0])) for w in ("2", "3", "4")}
+    assert len(hashes) == 3
+
+
+def test_without_bitwise_the_same_run_up_to_rounding(tmp_path: Path) -> None:
+    """DDP's mean over 2 survivors instead of 3 sums in another order: 10 steps later the weights agree to float
+    rounding, where another seed (the control) is far off."""
+    args = [*ARGS[:3], "240", *ARGS[4:], "-g", "3", "--recover"]  # 240 images: 10 steps an epoch
+    calm, lost, other = tmp_path / "calm", tmp_path / "lost", tmp_path / "other"
+    _train(calm, *args, "--epochs", "1")
+    log = _train(lost, *args, "--epochs", "1", lose="1:3")
+    _train(other, *args, "--epochs", "1", "--seed", "4")
+    assert len(_recover_lines(log)) == 1, log
+    a, b, c = _weights(calm), _weights(lost), _weights(other)
+    assert 0 < float((a - b).norm() / a.norm()) < 1e-6
+    assert float((a - c).norm() / a.norm()) > 1e-2
+    _same_record(lost, calm)
+
+
+def test_a_frozen_rank_is_presumed_lost_and_refused_when_it_wakes(tmp_path: Path) -> None:
+    """SIGSTOP a rank: the others' collective times out (--timeout), its beat stands still, and they go on without
+    it; woken (SIGCONT), it finds the run re-formed without it and leaves with one line, and the job succeeds."""
+    env, mark = marked_env()
+    out, log = tmp_path / "out", tmp_path / "log"
+    with reaped(mark):
+        run = start(["mnist_ddp", "train", *tiny(4800, 100, epochs=2), "-g", "3", "--recover", "--timeout", "10",
+                     "--checkpoint-every", "2", "--out", str(out)], env, tmp_path, log)
+        wait_for("training", lambda: progress(out), RUN_TIMEOUT, running=run)
+        frozen = spawned_workers(run.pid)[2]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            wait_for("a recovery", lambda: "recover: " in log.read_text(), RUN_TIMEOUT, running=run)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        rc, said = finish(run, log, RUN_TIMEOUT)
+    assert rc == 0, said
+    lines = _recover_lines(said)
+    assert len(lines) == 1 and lines[0].startswith("recover: rank 2 ("), said
+    presumed = [line for line in said.splitlines() if "was presumed lost" in line]
+    assert presumed == ["mnist-ddp: rank 2 was presumed lost by the other processes, which went on without "
+                        "it (generation 1); this process stops."], said
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "SLURM"])
+def test_recover_is_refused_where_the_store_dies_with_a_rank(launcher: str) -> None:
+    """Under torchrun the agent restarts the ranks, under srun rank 0 holds the store: --recover is refused."""
+    ident = Identity(rank=1, world_size=2, store_host="agent" if launcher == "torchrun" else "rank0",
+                     launcher=launcher)
+    with pytest.raises(UserError, match=f"--recover needs mnist-ddp's own launcher .* under {launcher}"):
+        recovery.for_run(ident, TrainConfig(recover=True))
+    assert recovery.for_run(ident, TrainConfig()) is None
