@@ -5,22 +5,28 @@
     python benchmarks/gpu_check.py --plan                     # what it would run, and each part's time limit
 
 Each part runs `mnist-ddp` (python -m mnist_ddp, from this checkout) in processes of its own, under its own time
-limit, inside one overall --budget (default 450 s: the check fits in 8 minutes on one H200). After every part the
-summary is written again and a line is printed, so a part that runs past its limit, or a check cut short, still
-leaves the numbers of the parts before it. Parts, in this order:
+limit, inside one overall --budget (default 420 s, the parts' limits on one GPU added up: the check fits in 8
+minutes on one H200). After every part the summary is written again and a line is printed, so a part that runs
+past its limit, or a check cut short, still leaves the numbers of the parts before it. Parts, in this order:
   env            torch, CUDA, GPU name and count, the packages the train path imports (tqdm, pillow)
-  train          the default recipe, 2 epochs, one process: test accuracy against 99% (MNIST if it is on the
-                 machine, else the synthetic digits; said which)
+  to99           `mnist-ddp train` on the synthetic digits, the default recipe (its 2 epochs) with --target-accuracy
+                 0.99: the wall time of the process until it exits with a 99% model (data generation included),
+                 which step ran, the accuracy reached, each epoch's seconds
+  graph          --graph-step on vs off (the step as one CUDA graph, replayed, vs the eager textbook step) at batch
+                 100: images/s of the second epoch, the graph run's first epoch over its second, both accuracies
+  replay         the same steps as a graph and eagerly, SGD fp32 --deterministic, one short epoch: whether the two
+                 saved model states are the same bytes, and their largest difference
   bench          `mnist-ddp bench`: ours vs the tutorial, images/s and seconds to the target, with the ratios
-  amp            --amp off vs --amp bf16: images/s of the second epoch, side by side
+  amp            --amp bf16 vs off, each with the step that runs by default (the graph step on CUDA): images/s of
+                 the second epoch (off: the graph part's graph run, where it finished)
+  compile        --compile (which keeps the eager step) vs off: images/s of the second epoch against the graph
+                 part's graph and eager runs; compile seconds = the compiled run's first epoch less its second
   deterministic  --deterministic twice: the SHA-256 of the two saved model states, and whether they are equal
   bitwise        --bitwise (bitwise_check.py): the same run twice on one GPU must save the same bytes; 2
                  micro-batches of 2B are another run (other bytes); DDP's mean twice promises nothing
   profile        --profile: where a one-GPU step's time goes (phases.json), and clock_check.py: the all-reduce of
                  a world of one (DDP's comm hook runs there too) as --profile's CUDA events read it, beside
                  perf_counter read when the hook's future called back (under NCCL: when it was queued)
-  compile        --compile vs not: images/s of the second epoch; compile seconds = the compiled run's first epoch
-                 less its second (the first pays for compilation)
   multi          -g 2 (two GPUs and more only; with one GPU it is skipped and the summary says so)
 Writes three files to the output folder, nothing else: summary.json, summary.md and gpu_check.log (every part's
 output). The runs' own folders and the data cache go to --work (a temporary folder), not there.
@@ -104,7 +110,7 @@ class Check:
 
     def train(self, label: str, *flags: str, samples: int | None = None, epochs: int = 2) -> dict[str, Any]:
         """One `mnist-ddp train` run; its metrics.jsonl epochs (and where it ran) or why it has none."""
-        run_dir = self.work / label
+        run_dir, began = self.work / label, time.monotonic()
         code, output = self.mnist_ddp("train", *self.data_flags(samples), "--device", self.device,
                                       "--epochs", str(epochs), "--no-progress", "--no-plots", "--out", str(run_dir),
                                       *flags)
@@ -112,8 +118,10 @@ class Check:
             why = "stopped by its time limit" if code is None else f"exit code {code}: {last_line(output)}"
             raise PartFailed(f"{label}: {why}")
         epochs_done = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {"dir": run_dir, "epochs": epochs_done, "data": next(
-            (line for line in output.splitlines() if line.startswith("data: ")), "")}
+        said = {key: next((line for line in output.splitlines() if line.startswith(f"{key}: ")), "")
+                for key in ("data", "step")}
+        return {"dir": run_dir, "epochs": epochs_done, "data": said["data"],
+                "step": said["step"].removeprefix("step: ") or "eager", "wall_seconds": time.monotonic() - began}
 
     def say(self, line: str, console: bool = True) -> None:
         self.log.write(line + "\n")
@@ -166,16 +174,44 @@ def part_env(c: Check) -> dict[str, Any]:
     return env | ({"note": note} if note else {})
 
 
-def part_train(c: Check) -> dict[str, Any]:
-    run = c.train("train", samples=c.args.samples if c.args.quick else None)  # all of it, on the GPU
+def part_to99(c: Check) -> dict[str, Any]:
+    flags = ["--target-accuracy", "0.99", "--dataset", "synthetic"]  # the last --dataset given wins
+    run = c.train("to99", *flags, samples=c.args.samples if c.args.quick else None)  # all of it, on the GPU
     acc = run["epochs"][-1]["test_accuracy"]
-    return {"data": run["data"], "test_accuracy": acc, "reached_99": acc >= 0.99, "images_per_second": speed(run),
-            "epoch_seconds": [e["epoch_seconds"] for e in run["epochs"]]}
+    c.say(f"   mnist-ddp train to a {acc:.2%} model: {run['wall_seconds']:.1f} s, the process's wall time")
+    return {"wall_seconds": run["wall_seconds"], "test_accuracy": acc, "reached_99": acc >= 0.99,
+            "epochs_run": len(run["epochs"]), "epoch_seconds": [e["epoch_seconds"] for e in run["epochs"]],
+            "step": run["step"], "data": run["data"]}
+
+
+def part_graph(c: Check) -> dict[str, Any]:
+    eager = c.train("graph-off", "--graph-step", "off", samples=c.args.samples)
+    graph = c.train("graph-on", "--graph-step", "on", samples=c.args.samples)  # on a CPU: the graph step, eagerly
+    first, second = (e["epoch_seconds"] for e in graph["epochs"][:2])
+    c.results["speeds"] = {"eager": speed(eager), "graph": speed(graph)}  # the amp and compile parts' baselines
+    return {"images_per_second_eager": speed(eager), "images_per_second_graph": speed(graph),
+            "graph_over_eager": speed(graph) / speed(eager), "first_over_second_epoch": first / second,
+            "step_graph": graph["step"], "test_accuracy_eager": eager["epochs"][-1]["test_accuracy"],
+            "test_accuracy_graph": graph["epochs"][-1]["test_accuracy"]}
+
+
+def part_replay(c: Check) -> dict[str, Any]:
+    sys.path.insert(0, str(SRC))
+    from mnist_ddp import checkpoint
+
+    flags = ["--optimizer", "sgd", "--amp", "off", "--deterministic"]
+    runs = {step: c.train(f"replay-{step}", *flags, "--graph-step", step, samples=c.args.replay_samples, epochs=1)
+            for step in ("on", "off")}
+    on, off = (checkpoint.load(runs[step]["dir"] / "checkpoint.pt")["model"] for step in ("on", "off"))
+    largest = max(float((on[k].double() - off[k].double()).abs().max()) for k in off if off[k].is_floating_point())
+    steps = c.args.replay_samples // 100
+    return {"steps": steps, "same_bytes": state_digest(runs["on"]["dir"]) == state_digest(runs["off"]["dir"]),
+            "largest_difference": largest, "step_on": runs["on"]["step"]}
 
 
 def part_bench(c: Check) -> dict[str, Any]:
     out = c.work / "bench"
-    flags = ["--quick", "-g", "1", "--tutorial-seconds", "5"] if c.args.quick else ["--tutorial-seconds", "40"]
+    flags = ["--quick", "-g", "1", "--tutorial-seconds", "5"] if c.args.quick else ["--tutorial-seconds", "30"]
     code, output = c.mnist_ddp("bench", "--device", c.device, "--out", str(out), *flags, *c.source())
     if code != 0:
         raise PartFailed("stopped by its time limit" if code is None else f"exit code {code}: {last_line(output)}")
@@ -184,11 +220,20 @@ def part_bench(c: Check) -> dict[str, Any]:
             "images_per_second": {k: r["images_per_second"] for k, r in bench["runs"].items()}}
 
 
+def baseline(c: Check, which: str) -> float:
+    """Images/s of the graph part's `which` run ("graph" or "eager"), or of a run made now where it has none."""
+    if which not in c.results.get("speeds", {}):
+        run = c.train(f"baseline-{which}", "--graph-step", "on" if which == "graph" else "off",
+                      samples=c.args.samples)
+        c.results.setdefault("speeds", {})[which] = speed(run)
+    return c.results["speeds"][which]
+
+
 def part_amp(c: Check) -> dict[str, Any]:
-    off = c.train("amp-off", "--amp", "off", samples=c.args.samples)
     bf16 = c.train("amp-bf16", "--amp", "bf16", samples=c.args.samples)
-    return {"images_per_second_off": speed(off), "images_per_second_bf16": speed(bf16),
-            "bf16_over_off": speed(bf16) / speed(off)}
+    off = baseline(c, "graph" if "graph" in bf16["step"] else "eager")  # the same step, in fp32
+    return {"images_per_second_off": off, "images_per_second_bf16": speed(bf16), "bf16_over_off": speed(bf16) / off,
+            "step": bf16["step"]}
 
 
 def part_deterministic(c: Check) -> dict[str, Any]:
@@ -224,11 +269,12 @@ def part_profile(c: Check) -> dict[str, Any]:
 
 
 def part_compile(c: Check) -> dict[str, Any]:
-    plain = c.train("compile-off", samples=c.args.samples)
     compiled = c.train("compile-on", "--compile", samples=c.args.samples)
     first, second = (e["epoch_seconds"] for e in compiled["epochs"][:2])
-    return {"images_per_second_off": speed(plain), "images_per_second_compiled": speed(compiled),
-            "compiled_over_off": speed(compiled) / speed(plain), "compile_seconds_estimate": first - second}
+    graph, eager = baseline(c, "graph"), baseline(c, "eager")
+    return {"images_per_second_compiled": speed(compiled), "step": compiled["step"],
+            "compiled_over_graph": speed(compiled) / graph, "compiled_over_eager": speed(compiled) / eager,
+            "compile_seconds_estimate": first - second}
 
 
 def part_multi(c: Check) -> dict[str, Any]:
@@ -240,16 +286,18 @@ def part_multi(c: Check) -> dict[str, Any]:
             "two_over_one": speed(two) / speed(one)}
 
 
-PARTS = [
-    Part("env", 60, part_env, "torch, CUDA, GPU, packages"),
-    Part("train", 120, part_train, "default recipe, 2 epochs, 1 GPU: accuracy vs 99%"),
-    Part("bench", 120, part_bench, "mnist-ddp bench: ours vs the tutorial"),
-    Part("amp", 60, part_amp, "--amp off vs bf16: images/s"),
-    Part("deterministic", 60, part_deterministic, "--deterministic twice: SHA-256 of the model state"),
-    Part("bitwise", 60, part_bitwise, "--bitwise: the same run twice, another run once (SHA-256)"),
-    Part("profile", 45, part_profile, "--profile: phases of a step"),
-    Part("compile", 120, part_compile, "--compile vs not: images/s, compile seconds"),
-    Part("multi", 60, part_multi, "-g 2 (two GPUs or more)"),
+PARTS = [  # limits: what one H200 needs, with room; on one GPU they add up to the default --budget
+    Part("env", 15, part_env, "torch, CUDA, GPU, packages"),
+    Part("to99", 60, part_to99, "mnist-ddp train to a 99% model on the synthetic digits: wall time"),
+    Part("graph", 45, part_graph, "--graph-step on vs off: images/s, first vs second epoch"),
+    Part("replay", 30, part_replay, "graph vs eager, SGD fp32: the same bytes?"),
+    Part("bench", 75, part_bench, "mnist-ddp bench: ours vs the tutorial"),
+    Part("amp", 25, part_amp, "--amp bf16 vs off, the step that runs: images/s"),
+    Part("compile", 60, part_compile, "--compile vs off: images/s, compile seconds"),
+    Part("deterministic", 30, part_deterministic, "--deterministic twice: SHA-256 of the model state"),
+    Part("bitwise", 30, part_bitwise, "--bitwise: the same run twice, another run once (SHA-256)"),
+    Part("profile", 30, part_profile, "--profile: phases of a step"),
+    Part("multi", 20, part_multi, "-g 2 (two GPUs or more)"),
 ]
 
 
@@ -301,7 +349,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--quick", action="store_true", help="tiny data and short runs: the plumbing, in about a minute")
     p.add_argument("--only", help="comma-separated parts to run (default: all, in order)")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together (default %(default)s)")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for all parts together (default %(default)s)")
     p.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS", help="one part's time limit")
     p.add_argument("--out", help="where the three result files go (default: $OUT, else runs/gpu-check-<time>)")
     p.add_argument("--work", help="the runs' folders and the data cache (default: a temporary folder, removed)")
@@ -317,7 +365,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.limits[name] = float(seconds)
     if unknown := sorted(set(a.only) - set(names)):
         p.error(f"--only: no part {', '.join(unknown)} (parts: {', '.join(names)})")
-    a.samples = 1200 if a.quick else 20000  # training images of the throughput parts (train uses them all)
+    a.samples = 1200 if a.quick else 20000  # training images of the throughput parts (to99 uses them all)
+    a.replay_samples = 400 if a.quick else 2000  # replay: 4 or 20 steps of 100
     return a
 
 

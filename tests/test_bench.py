@@ -3,12 +3,16 @@
 No assertion here is about speed: timings on a shared machine mean nothing in a test.
 """
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from mnist_ddp import tutorial
 from mnist_ddp.bench import Run, _time_ratio
+from mnist_ddp.datasets import Split
 
 TINY_BENCH = ["bench", "--dataset", "synthetic", "--train-samples", "400", "--test-samples", "100",
               "--epochs", "1", "--tutorial-epochs", "1"]
@@ -29,6 +33,12 @@ def test_bench_runs_all_four_and_writes_the_json(cli, tmp_path: Path) -> None:
         assert 0 <= run["final_test_accuracy"] <= 1 and run["seconds_run"] > 0
         assert run["reached_target"] == (run["seconds_to_target"] is not None)
     assert "world size 2" in result["runs"]["ours_2"]["settings"]
+    pipeline = "pil" if importlib.util.find_spec("torchvision") else "tensor"  # this machine's case
+    assert result["tutorial_pipeline"] == {"name": pipeline, "what": tutorial.PIPELINES[pipeline]}
+    for key in ("tutorial_1", "tutorial_ddp_2"):
+        assert result["runs"][key]["settings"].startswith(tutorial.PIPELINES[pipeline]), result["runs"][key]
+    said = "PIL" if pipeline == "pil" else "tensor"
+    assert f"tutorial ({said}), 1 process" in r.stdout and f"tutorial DDP ({said}), 2 processes" in r.stdout
     ratios = result["ratios"]
     assert {"images_per_second_ours_1_vs_tutorial_1", "images_per_second_ours_2_vs_tutorial_ddp_2",
             "images_per_second_ours_2_vs_ours_1"} <= set(ratios)
@@ -69,3 +79,20 @@ def test_time_ratio_is_a_lower_bound_when_the_slow_run_never_got_there() -> None
     assert (_time_ratio(slow_not, fast, 0.9).value, _time_ratio(slow_not, fast, 0.9).lower_bound) == (3, True)
     assert _time_ratio(slow_reached, _run((5, 0.5)), 0.9).value is None  # ours never got there: no ratio
     assert str(_time_ratio(slow_not, fast, 0.9)) == ">3.00x"
+
+
+def test_the_pil_pipeline_computes_totensors_arithmetic() -> None:
+    """The tutorial's per-sample path through a PIL image gives ToTensor's numbers (uint8 H×W -> 1×H×W float32,
+    divided by 255), here written out as arithmetic on the image tensor: every byte value, in an image that is not
+    symmetric, so that a transposed or flipped image would be caught (the control)."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (3, 28, 28), dtype=torch.uint8, generator=g)
+    images[0] = torch.arange(28 * 28).remainder(256).view(28, 28).to(torch.uint8)  # every value, no symmetry
+    split = Split(images, torch.tensor([3, 1, 4]))
+    pil, plain = tutorial.PerSampleDataset(split, pil=True), tutorial.PerSampleDataset(split)
+    for i in range(3):
+        x, label = pil[i]
+        expected = images[i].view(28, 28, 1).permute(2, 0, 1).contiguous().to(torch.float32).div(255)
+        assert x.dtype == torch.float32 and x.shape == (1, 28, 28) and x.is_contiguous()
+        assert torch.equal(x, expected) and torch.equal(x, plain[i][0]) and label == plain[i][1] == [3, 1, 4][i]
+    assert not torch.equal(pil[0][0], images[0].T.unsqueeze(0).float().div(255))

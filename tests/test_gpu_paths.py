@@ -360,7 +360,7 @@ def test_the_step_loop_reads_from_the_device_only_at_its_folds(monkeypatch: pyte
 def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -> None:
     """benchmarks/gpu_check.py's plumbing, in its quick CPU mode: its three files and nothing else, the parts that
     finished recorded with their results, and a part cut short by its time limit recorded as such (the check goes
-    on). --plan names every part without running any."""
+    on). --plan names every part without running any, their limits within the budget and 8 minutes."""
     out = tmp_path / "out"
     # The parts that must finish get limits no loaded box reaches (these are hang guards, not timings).
     limits = ["--limit", "env=300", "--limit", "deterministic=600", "--limit", "profile=1", "--budget", "1200"]
@@ -379,4 +379,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -
     plan = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--plan"], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=60)
     assert [line.split()[0] for line in plan.stdout.splitlines()] == \
-        ["env", "train", "bench", "amp", "deterministic", "bitwise", "profile", "compile", "multi", "all"], plan.stdout
+        ["env", "to99", "graph", "replay", "bench", "amp", "compile", "deterministic", "bitwise", "profile", "multi",
+         "all"], plan.stdout
+    limits = {line.split()[0]: float(line.split()[3]) for line in plan.stdout.splitlines()}
+    assert sum(v for k, v in limits.items() if k not in ("multi", "all")) <= limits["all"] <= 8 * 60, limits

@@ -130,6 +130,52 @@ def test_killed_mid_epoch_resumes_to_the_same_weights(reference: Path, killed_mi
     _assert_same_history(reference, out)
 
 
+# --- the graph step (graphstep.py; on the CPU it runs eagerly) saves the same checkpoint ---------------------------
+
+def _layout(value: object) -> object:
+    """A checkpoint entry's structure: its keys, and each tensor's shape and dtype in place of its values."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _layout(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_layout(v) for v in value]
+    return type(value).__name__
+
+
+# SGD in fp32: the graph step's update rounds like torch's to within an ulp on a few elements (AdamW's division
+# would amplify that, and bf16 hides nothing), so a run that switches ends where the eager run ends, to 1e-6.
+SWITCH = ["--optimizer", "sgd", "--amp", "off", *EVERY]
+
+
+@pytest.fixture(scope="module")
+def eager_sgd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two epochs of SGD, eager, uninterrupted."""
+    out = tmp_path_factory.mktemp("switch") / "eager"
+    r = run_cli(*_train(out, *SWITCH, "--graph-step", "off"), cwd=out.parent, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize(("killed", "resumed"), [("off", "on"), ("on", "off")],
+                         ids=["eager, resumed under the graph step", "graph step, resumed eagerly"])
+def test_a_resume_may_switch_between_the_graph_and_the_eager_step(killed: str, resumed: str, eager_sgd: Path,
+                                                                  tmp_path: Path) -> None:
+    """Killed right after a mid-epoch checkpoint under one step, resumed under the other: the checkpoint has the
+    uninterrupted eager run's layout (model, optimizer state, progress, every tensor's shape and dtype), and the
+    run ends with that run's weights and test counts."""
+    out = tmp_path / "C"
+    _killed("mid-epoch", *_train(out, *SWITCH, "--graph-step", killed))
+    assert _layout(checkpoint.load(out / "checkpoint.pt")) == _layout(checkpoint.load(eager_sgd / "checkpoint.pt"))
+    r = run_cli(*_train(out, *SWITCH, "--graph-step", resumed, "--resume"), cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert "epoch 2, 300 of its 800 samples done" in r.stdout
+    assert ("step: the graph step, eagerly" in r.stdout) == (resumed == "on"), r.stdout
+    _assert_trained_only_epoch_2(r.stdout)
+    _assert_same_weights(eager_sgd, out)
+    _assert_same_history(eager_sgd, out)
+
+
 # --- checkpoints of earlier versions still load: made from a current one, edited the way the old format was ------
 
 def _format_1(ckpt: dict) -> dict:

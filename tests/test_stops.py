@@ -1,6 +1,6 @@
 """Runs that end early, with real processes on tiny synthetic data: a diverging run stops every rank with
 one line and exit 1, keeping the last finite checkpoint; --target-accuracy stops after the first epoch that
-reaches it, and --resume respects it."""
+reaches it, and --resume respects it. Both also with --graph-step on (on the CPU: the graph step, eagerly)."""
 
 import math
 from pathlib import Path
@@ -19,7 +19,8 @@ HANG = 300  # seconds: a hang detector only; these runs take seconds
 # AdamW at a constant lr 1e4, global batch 200 (6 steps per epoch): epoch 1 ends finite, and by the end of
 # epoch 2 BatchNorm's running variance overflows. fp32, so that every CPU sees the same numbers.
 DIVERGING = [*tiny(1200, 200, epochs=3), "--scheduler", "none", "--lr", "1e4", "--amp", "off"]
-WORLDS = {"one process": ["--batch-size", "200"], "-g 2": ["-g", "2"]}
+GRAPH = ["--graph-step", "on"]
+WORLDS = {"one process": ["--batch-size", "200"], "-g 2": ["-g", "2"], "-g 2, graph step": ["-g", "2", *GRAPH]}
 
 
 def _finite(value: object) -> bool:
@@ -37,6 +38,10 @@ def _last_line(out: str) -> str:
     return out.strip().splitlines()[-1]
 
 
+def _graph_step_ran(out: str) -> bool:
+    return "step: the graph step, eagerly" in out
+
+
 @needs_proc
 @pytest.mark.parametrize("world", WORLDS.values(), ids=WORLDS.keys())
 def test_divergence_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path: Path, world: list[str]) -> None:
@@ -50,6 +55,7 @@ def test_divergence_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_pa
         first = run_cli(*args, "--target-accuracy", "0.01", env={MARK: mark, **ONE_THREAD}, timeout=HANG)
         assert first.returncode == 0, first.stderr
         assert "reached the target 1.00% after epoch 1 of 3" in _last_line(first.stdout)
+        assert _graph_step_ran(first.stdout) == ("--graph-step" in world), first.stdout
         before = {name: (out / name).read_bytes() for name in ("checkpoint.pt", "best.pt")}
         assert all(_finite(checkpoint.load(out / name)) for name in before)
 
@@ -64,7 +70,7 @@ def test_divergence_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_pa
     assert len(metrics(out)) == 1 and progress(out)["epoch"] == 1
 
 
-TARGETS = {"one process": ([], 0.7), "-g 2": (["-g", "2"], 0.55)}
+TARGETS = {"one process": ([], 0.7), "-g 2": (["-g", "2"], 0.55), "-g 2, graph step": (["-g", "2", *GRAPH], 0.55)}
 
 
 @pytest.mark.parametrize(("world", "target"), TARGETS.values(), ids=TARGETS.keys())
@@ -74,6 +80,7 @@ def test_target_accuracy_stops_after_the_first_epoch_that_reaches_it(tmp_path: P
     run = run_cli("train", *tiny(epochs=4), "--amp", "off", *world, "--out", str(out),
                   "--target-accuracy", str(target), env=ONE_THREAD, timeout=HANG)
     assert run.returncode == 0, run.stderr
+    assert _graph_step_ran(run.stdout) == ("--graph-step" in world), run.stdout
     rows = metrics(out)
     accuracies = [row["test_accuracy"] for row in rows]
     assert 2 <= len(rows) < 4, accuracies  # an epoch fell short first, and the run stopped before the end

@@ -136,10 +136,12 @@ def run_tutorial(spec: tutorial.Spec, procs: int, out: Path) -> Run:
     epochs = [{"epoch": r["epoch"], "images_per_second": r["images_per_second"],
                "seconds": r["train_seconds"] + r["eval_seconds"], "test_accuracy": r["test_accuracy"]}
               for r in map(json.loads, records.read_text().splitlines())]
-    label = "tutorial, 1 process" if procs == 1 else f"tutorial DDP, {procs} processes"
+    how = f"({'PIL' if spec.pipeline == 'pil' else 'tensor'})"
+    label = f"tutorial {how}, 1 process" if procs == 1 else f"tutorial DDP {how}, {procs} processes"
     backend = "nccl" if spec.device == "cuda" else "gloo"
-    settings = f"SGD lr 1e-4, batch 100 per process, DataLoader num_workers=0, fp32, {backend}" if procs > 1 \
-        else "SGD lr 1e-4, batch 100, DataLoader num_workers=0, fp32"
+    settings = f"{tutorial.PIPELINES[spec.pipeline]}, SGD lr 1e-4, batch 100" + (
+        f" per process, DataLoader num_workers=0, fp32, {backend}" if procs > 1 else
+        ", DataLoader num_workers=0, fp32")
     return Run(label, procs, epochs, settings)
 
 
@@ -193,7 +195,8 @@ def run(cfg: BenchConfig) -> int:
           f"(from {data.where}); {device}, {env['cpu_cores']} CPU cores, torch {torch.__version__}", flush=True)
     del data  # each run loads its own copy, as it would on its own
 
-    spec = tutorial.Spec(req, device, cfg.tutorial_epochs, target=cfg.target, max_seconds=cfg.tutorial_seconds)
+    spec = tutorial.Spec(req, device, cfg.tutorial_epochs, target=cfg.target, max_seconds=cfg.tutorial_seconds,
+                         pipeline=tutorial.pipeline())
     done = {"tutorial_1": run_tutorial(spec, 1, out)}
     _said(done["tutorial_1"])
     done["ours_1"] = run_ours(cfg, req, device, 1, out)
@@ -226,6 +229,7 @@ def run(cfg: BenchConfig) -> int:
     print(_table(done, cfg.target, ratios))
     result = {
         "dataset": req.dataset, **sizes, "environment": env, "target_accuracy": cfg.target,
+        "tutorial_pipeline": {"name": spec.pipeline, "what": tutorial.PIPELINES[spec.pipeline]},
         "runs": {k: r.to_dict(None if k.startswith("tutorial_ddp") else cfg.target) for k, r in done.items()},
         "ratios": {k: {"label": label, "value": r.value, "lower_bound": r.lower_bound}
                    for k, (label, r) in ratios.items()},

@@ -153,6 +153,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout (default: on for CPU, off for GPUs)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--graph-step", choices=("auto", "on", "off"), default=default(TrainConfig, "graph_step"),
+                   help="the step as one CUDA graph, replayed (auto: on CUDA where each process trains one whole "
+                   "micro-batch; on: also run eagerly on a CPU; docs/gpu.md)")
     g.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs (CUDA)")
     g.add_argument("--deterministic", action="store_true", help="deterministic kernels only")
     g.add_argument("--bitwise", action="store_true",
@@ -250,7 +253,7 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         heartbeat=a.heartbeat, recover=a.recover, recipe_name=a.recipe,
         recipe=recipe(a.recipe, **{k: getattr(a, k) for k in KNOBS}), seed=a.seed,
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
-        sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
+        graph_step=a.graph_step, sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,
         tensorboard=a.tensorboard, log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 

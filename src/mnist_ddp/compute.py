@@ -30,11 +30,11 @@ def channels_last_for(channels_last: bool | None, device: torch.device) -> bool:
     return device.type == "cpu" if channels_last is None else channels_last
 
 
-def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """Mixed precision for the forward pass, or nothing when `amp` is off."""
+def autocast(device: torch.device, amp: str, cache: bool = True) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass, or nothing when `amp` is off; `cache=False` inside a CUDA graph."""
     if amp == "off":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16, cache_enabled=cache)
 
 
 # The cuBLAS workspace sizes with which its GEMMs are deterministic; torch refuses any other under

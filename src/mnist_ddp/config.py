@@ -131,6 +131,7 @@ class TrainConfig:
     # Compute: None = the device's fastest (compute.py); an explicit value always wins.
     channels_last: bool | None = None
     compile: bool = False
+    graph_step: str = "auto"  # the step as a CUDA graph (graphstep.py): auto = on CUDA where it applies; on; off
     sync_bn: bool = False
     deterministic: bool = False
     # The same weights, bit for bit, at any world size and through resumes at any world (reduction.py, README).

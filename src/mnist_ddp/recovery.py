@@ -97,6 +97,16 @@ def for_run(ident: Identity, cfg: TrainConfig, d: Dist | None = None) -> "Recove
     return Recovery(ident, cfg, d)
 
 
+def world_change(recovery: "Recovery | None", e: BaseException) -> str | list[tuple[int, str]]:
+    """What `e` changes under --recover: a lost rank (its failure in words) or replacements joining (a `Grow`'s);
+    anything else is raised again."""
+    if isinstance(e, Grow):
+        return e.joiners
+    if recovery is None or not distributed.is_peer_failure(e):
+        raise e
+    return rendezvous.error_summary(e)
+
+
 def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> set[int]:
     """The steps done after which this rank kills itself (`LOSE_VAR`; tests only: snapshot.Snapshots.take)."""
     pairs = [item.split(":") for item in env.get(LOSE_VAR, "").split(",") if item.strip()]
@@ -118,6 +128,13 @@ class Recovery:
         self.await_at = int(os.environ.get(JOIN_VAR) or -1)
         self.store: dist.Store | None = None
         self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
+
+    def change(self, loop: Loop, change: str | list[tuple[int, str]]) -> None:
+        """Re-form the world after `world_change`'s verdict: without a lost rank, or with the replacements."""
+        if isinstance(change, str):
+            self.recover(loop, change)
+        else:
+            self.grow(loop, change)
 
     def recover(self, loop: Loop, failure: str) -> None:
         """A rank was lost: re-form with the survivors, go back to where the failed position began, and deal the

@@ -41,16 +41,17 @@ def one_cycle(peak: float, done: float) -> tuple[float, float]:
     return _cos(peak, peak / START_DIV / FINAL_DIV, t), _cos(MOMENTUM_LOW, MOMENTUM_HIGH, t)
 
 
+def at(r: Recipe, done: float) -> tuple[float, float | None]:
+    """The recipe's lr, and momentum (None: the recipe's own, unchanged), when a fraction `done` of the run is done."""
+    if r.scheduler == "onecycle":
+        return one_cycle(r.lr, done)
+    return (_cos(r.lr, 0.0, done) if r.scheduler == "cosine" else r.lr), None
+
+
 def build(r: Recipe, opt: torch.optim.Optimizer) -> Schedule:
     """The recipe's schedule, to call before every step with the fraction of the run done (0 to 1)."""
     def set_for(done: float) -> None:
-        momentum = None
-        if r.scheduler == "onecycle":
-            lr, momentum = one_cycle(r.lr, done)
-        elif r.scheduler == "cosine":
-            lr = _cos(r.lr, 0.0, done)
-        else:
-            lr = r.lr
+        lr, momentum = at(r, done)
         for group in opt.param_groups:
             group["lr"] = lr
             if momentum is not None and "betas" in group:

@@ -37,6 +37,12 @@ class Stretch:
     # (samples done, lr, this rank's loss sum, the step's samples) of every --log-every-th step
     logged: list[tuple[int, float, torch.Tensor, int]] = field(default_factory=list)
 
+    def add(self, step_loss: torch.Tensor, here: int, samples: int) -> None:
+        """One step's: this rank's mean loss over its `here` samples, of the step's `samples` over all ranks."""
+        self.loss_sum.add_(step_loss, alpha=here)
+        self.seen += here
+        self.samples += samples
+
     def copy(self) -> "Stretch":
         return Stretch(self.loss_sum.clone(), self.seen, self.samples, list(self.logged))
 
@@ -99,6 +105,7 @@ def resume(path: Path, t: Training, cfg: TrainConfig, d: Dist, n: int, say: Any)
     found = d.from_main(lambda: checkpoint.load_latest(path, lambda p, c: check_same_run(cfg, p, c), say),
                         checkpoint.pack, checkpoint.unpack)
     if found is None:
+        say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
         return None
     where, ckpt = found
     saved = ckpt.get("config", {})
@@ -112,6 +119,7 @@ def resume(path: Path, t: Training, cfg: TrainConfig, d: Dist, n: int, say: Any)
         steps = progress.pop("step")
         progress["consumed"] = min(n, steps * cfg.recipe.batch_size * saved.get("world_size", 1))
     t.progress = Progress(**progress)
+    say(f"resume: from {where}, epoch {t.progress.epoch + 1}, {t.progress.consumed:,} of its {n:,} samples done")
     was = saved.get("world_size", d.world_size)
     # Checkpoints from before the run's M was recorded: one micro-batch per process.
     slots = ckpt.get("slots", ckpt.get("micro_batches", was))

@@ -6,9 +6,16 @@ import torch
 
 from .batches import Share
 from .config import TrainConfig
+from .datasets import Dataset
 from .distributed import Dist
 from .evaluation import EvalResult
 from .state import Progress
+
+
+def data_line(data: Dataset) -> str:
+    """Which data, how much of it, and where it came from."""
+    return (f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
+            f"from {data.where}")
 
 
 def run_line(cfg: TrainConfig, d: Dist, share: Share, amp: str, channels_last: bool) -> str:

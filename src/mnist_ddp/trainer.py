@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, distributed, divergence, reduction, rendezvous, schedule, state, summary
+from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -39,6 +39,7 @@ class Trainer:
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
+        self.graph, self.graph_loss = None, torch.zeros((), device=d.device)  # the CUDA graph step: `run` decides
         self.snapshots = Snapshots(self.t, recovery.doomed) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
         self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
@@ -77,28 +78,21 @@ class Trainer:
         self.profiler.watch(self.reduction)
         if self.recovery and self.recovery.joining:  # a replacement of a lost rank: the run's state from rank 0
             self.recovery.handover(self)
-        net = self._wrap()
-        result, joiners = None, None
+        self.graph = graphstep.choose(self.cfg, self.d, self.t, self.train_batches, self.textbook, self.report.say)
+        net = self.t.model if self.graph else self._wrap()  # the graph step all-reduces its gradients itself
+        result = None
         while (epoch := self.t.progress.epoch) < self.cfg.recipe.epochs:
             try:
                 result = self._epoch(net, epoch)
-            except Grow as e:  # --recover: replacements join at this step boundary
-                joiners = e.joiners
-            except RuntimeError as e:  # --recover: a lost rank's peers re-form and redo the step (recovery.py)
-                if self.recovery is None or not distributed.is_peer_failure(e):
-                    raise
-                failure = rendezvous.error_summary(e)
+            except (Grow, RuntimeError) as e:  # --recover: a rank was lost, or replacements join (recovery.py)
+                change = recovery.world_change(self.recovery, e)
             else:
                 if self._reached(result.accuracy):  # the same all-reduced number on every rank: all stop here
                     self.target_outcome = "reached"
                     return result
                 continue
             del net  # the old group's DDP wrapper goes before the group (out here: the error's frames hold it)
-            if joiners:
-                self.recovery.grow(self, joiners)
-                joiners = None
-            else:
-                self.recovery.recover(self, failure)
+            self.recovery.change(self, change)
             net = self._wrap()
         if self.cfg.target_accuracy is not None:
             self.target_outcome = "missed"
@@ -133,7 +127,8 @@ class Trainer:
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
         self.stats.train()
-        for batch in self.report.bar(batches, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
+        steps = self.graph.begin_epoch(epoch, batches.first) if self.graph else batches  # the graph's: indices
+        for batch in self.report.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
             if self.snapshots:  # --recover: a replacement may join here; the state this step starts from
                 self.recovery.take_in(self)
@@ -142,9 +137,7 @@ class Trainer:
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
             here, samples = self._samples(batch)
-            self.stretch.loss_sum.add_(step_loss, alpha=here)
-            self.stretch.seen += here
-            self.stretch.samples += samples
+            self.stretch.add(step_loss, here, samples)
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
             if self.steps_done % cfg.log_every == 0:  # kept on the device; the next fold adds it up over the ranks
                 self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], step_loss.mul(here),
@@ -158,9 +151,11 @@ class Trainer:
         compute.sync(d.device)
         return time.perf_counter() - began
 
-    def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> torch.Tensor:
+    def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> torch.Tensor:
         """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
         r = self.cfg.recipe
+        if self.graph:  # `batch`: the step's index in its epoch (graphstep.py)
+            return self.graph_loss.copy_(self.graph.step(batch))  # a loss made on the device (tests/collectives.py)
         if self.textbook:
             x, y = batch
             return train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
@@ -169,10 +164,11 @@ class Trainer:
                              label_smoothing=r.label_smoothing, scaler=self.t.scaler, phase=self.profiler.phase)
         return loss_sum.div(max(self._samples(batch)[0], 1))  # a rank of --bitwise may train no sample
 
-    def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step) -> tuple[int, int]:
+    def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> tuple[int, int]:
         """This rank's samples in the step, and the whole step's (all ranks')."""
         if self.textbook:
-            return len(batch[1]), len(batch[1]) * self.d.world_size
+            here = self.graph.size(batch) if self.graph else len(batch[1])
+            return here, here * self.d.world_size
         return sum(len(mb.y) for mb in batch.micro_batches), batch.samples
 
     @property
@@ -231,14 +227,10 @@ class Trainer:
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""
-        n = len(self.data.train.labels)
-        resumed = state.resume(self.ckpt_path, self.t, self.cfg, self.d, n, self.report.say)
-        if resumed is None:
-            self.report.say(f"resume: no checkpoint in {self.cfg.out} yet, starting from scratch")
+        resumed = state.resume(self.ckpt_path, self.t, self.cfg, self.d, len(self.data.train.labels), self.report.say)
+        if resumed is None:  # none yet: the run starts from scratch (state.resume said so)
             return
-        p = self.t.progress
-        self.report.keep_epochs_before(p.epoch)  # a line of the epoch in progress was never saved
-        self.report.say(f"resume: from {resumed.path}, epoch {p.epoch + 1}, {p.consumed:,} of its {n:,} samples done")
+        self.report.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
         self._deal(resumed.share, resumed.batchnorm_parts)
         if line := summary.world_change(resumed.world_was, resumed.share, self.cfg):
             self.report.say(line)
@@ -250,8 +242,7 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
-    report.say(f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
-               f"from {data.where}")
+    report.say(summary.data_line(data))
     trainer = Trainer(cfg, d, data, report, recovery)
     result = trainer.run()
     trainer.report.close()

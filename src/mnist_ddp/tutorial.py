@@ -1,8 +1,10 @@
 """The tutorial's pipeline, rebuilt as the baseline `mnist-ddp bench` measures against; not used for training. It
-does what the classic DDP-on-MNIST tutorial does, step for step (benchmarks/README.md): no input normalisation,
-and under DDP a DistributedSampler whose epoch is never set, `mp.spawn`, gloo on CPU, no thread settings. Every
-rank runs `worker`; rank 0 appends one JSON line per epoch to `Spec.records`."""
+does what the classic DDP-on-MNIST tutorial does, step for step (benchmarks/README.md): per sample a PIL image and
+ToTensor where torchvision is importable, no input normalisation, and under DDP a DistributedSampler whose epoch is
+never set, `mp.spawn`, gloo on CPU, no thread settings. Every rank runs `worker`; rank 0 appends one JSON line per
+epoch to `Spec.records`."""
 
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -19,17 +22,35 @@ from .config import DataConfig
 from .datasets import Split
 from .model import ConvNet
 
+PIPELINES = {"pil": "PIL image + ToTensor per sample", "tensor": "a tensor per sample (no torchvision here)"}
+
+
+def pipeline() -> str:
+    """The tutorial's per-sample pipeline this machine runs: "pil" where torchvision is importable, else "tensor"."""
+    return "pil" if importlib.util.find_spec("torchvision") else "tensor"
+
+
+def to_tensor(picture: Image.Image) -> torch.Tensor:
+    """torchvision's ToTensor for an 8-bit grayscale image: H×W bytes -> 1×H×W float32 in [0, 1]."""
+    pixels = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
+    return pixels.view(picture.size[1], picture.size[0], 1).permute(2, 0, 1).contiguous().to(torch.float32).div(255)
+
 
 class PerSampleDataset(torch.utils.data.Dataset):
-    """torchvision's MNIST as the tutorial used it: index -> (1×28×28 float tensor in [0, 1], int label)."""
+    """torchvision's MNIST as the tutorial used it: index -> (1×28×28 float tensor in [0, 1], int label); `pil`:
+    through a PIL image, as torchvision's __getitem__ and ToTensor."""
 
-    def __init__(self, split: Split) -> None:
-        self.images, self.labels = split.images, split.labels
+    def __init__(self, split: Split, pil: bool = False) -> None:
+        self.images, self.labels, self.pil = split.images, split.labels, pil
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.pil:
+            height, width = self.images.shape[1:]
+            picture = Image.frombytes("L", (width, height), bytes(self.images[index].flatten().tolist()))
+            return to_tensor(picture), int(self.labels[index])
         return self.images[index].unsqueeze(0).to(torch.float32).div(255), int(self.labels[index])
 
 
@@ -45,6 +66,7 @@ class Spec:
     max_seconds: float = float("inf")  # one process: stop after the epoch that passes this much train + test time
     records: str = "tutorial.jsonl"  # rank 0 appends a line per epoch here
     master_port: int = 0  # where the ranks meet when there are several
+    pipeline: str = "tensor"  # per sample: "pil" (a PIL image and ToTensor, as torchvision's MNIST) or "tensor"
 
 
 def _evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
@@ -87,12 +109,13 @@ def _train(rank: int, spec: Spec, world_size: int, device: torch.device) -> None
     if world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     data = datasets.load(spec.data)
-    train_set = PerSampleDataset(data.train)
+    pil = spec.pipeline == "pil"
+    train_set = PerSampleDataset(data.train, pil)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank) if world_size > 1 else None
     pin = device.type == "cuda"
     train_loader = DataLoader(train_set, batch_size=100, shuffle=sampler is None, num_workers=0, pin_memory=pin,
                               sampler=sampler)
-    test_loader = DataLoader(PerSampleDataset(data.test), batch_size=100, shuffle=False, num_workers=0,
+    test_loader = DataLoader(PerSampleDataset(data.test, pil), batch_size=100, shuffle=False, num_workers=0,
                              pin_memory=pin)
     elapsed = 0.0
     for epoch in range(spec.epochs):
