@@ -167,7 +167,8 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def _check_out(out: Path, json_path: Path) -> None:
+def _claim_out(out: Path, json_path: Path) -> None:
+    """Refuse an --out that holds a bench run already; make it."""
     if json_path.exists() or any(out.glob("ours-*")) or any(out.glob("tutorial-*")):
         raise UserError(f"{out} already holds a bench run; choose another --out.")
     try:
@@ -181,7 +182,7 @@ def run(cfg: BenchConfig) -> int:
     """All four runs, then the table and the ratios; returns 0 (benchmarks report, they do not judge)."""
     out = Path(cfg.out)
     json_path = Path(cfg.json) if cfg.json else out / "bench.json"
-    _check_out(out, json_path)
+    _claim_out(out, json_path)
     device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")

@@ -77,10 +77,10 @@ def _signals_interrupt() -> Iterator[None]:
                 signal.signal(s, h)
 
 
-def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> int:
+def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False) -> int:
     """One rank, start to finish: device, cores, process group, training; the group is always left.
 
-    `check_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
+    `claim_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
     once (torchrun and srun start all ranks before any of them could look).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
@@ -99,7 +99,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, check_out: bool = False) -> in
                   f"same secret (see docs/security.md).", file=sys.stderr, flush=True)
         finished, rec = False, None
         try:
-            if check_out:
+            if claim_out:
                 if not cfg.resume and restarting(Path(cfg.out), ident, d):
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
@@ -328,7 +328,7 @@ def launch(cfg: TrainConfig) -> int:
         if (cfg.nodes, cfg.gpus, cfg.node_rank) != (1, 1, 0):
             raise UserError(f"{ident.launcher} already started {ident.world_size} processes; "
                             f"-n/-g/-nr are for mnist-ddp's own launcher, so leave them out.")
-        return run_worker(ident, cfg, check_out=True)
+        return run_worker(ident, cfg, claim_out=True)
     # Rank 0, on node 0, is the only writer; this process outlives it, so it holds --out for the whole run.
     with outdir.claim(Path(cfg.out), cfg.resume) if cfg.node_rank == 0 else nullcontext():
         if cfg.world_size == 1:
