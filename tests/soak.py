@@ -21,7 +21,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 # Every module whose tests start processes that talk to each other (or a kernel, or a fresh install).
 MODULES = ("faults", "stops", "resume", "trust", "heartbeat", "multinode", "launch_paths", "real_slurm", "real_mpi",
-           "notebook", "base_install", "bitwise", "accumulate")
+           "notebook", "base_install", "bitwise", "accumulate", "recovery", "graphstep")
 RUN_VAR = "MNIST_DDP_SOAK_RUN"  # every process one module run starts inherits it: what a hang's kill looks for
 SETTLE_S = 10.0  # after pytest returns, how long what it started gets to end before it counts as left behind
 
