@@ -31,7 +31,7 @@ def run_line(cfg: TrainConfig, d: Dist, share: Share, amp: str, channels_last: b
             f"schedule, amp {amp}, channels_last {channels_last}")
 
 
-def world_change(was: int, share: Share, cfg: TrainConfig) -> str:
+def resume_line(was: int, share: Share, cfg: TrainConfig) -> str:
     """A resume's line when this world shares the run's global batch otherwise than its first start did."""
     if was == share.world and share.slots == share.world * cfg.accumulate:
         return ""

@@ -232,7 +232,7 @@ class Trainer:
             return
         self.report.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
         self._deal(resumed.share, resumed.batchnorm_parts)
-        if line := summary.world_change(resumed.world_was, resumed.share, self.cfg):
+        if line := summary.resume_line(resumed.world_was, resumed.share, self.cfg):
             self.report.say(line)
 
 
