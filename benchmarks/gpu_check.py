@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --plan                     # what it would run, and each part's time limit
 
 Each part runs `mnist-ddp` (python -m mnist_ddp, from this checkout) in processes of its own, under its own time
-limit, inside one overall --budget (default 420 s, the parts' limits on one GPU added up: the check fits in 8
+limit, inside one overall --budget (default 470 s, the parts' limits on one GPU added up: the check fits in 8
 minutes on one H200). After every part the summary is written again and a line is printed, so a part that runs
 past its limit, or a check cut short, still leaves the numbers of the parts before it. Parts, in this order:
   env            torch, CUDA, GPU name and count, the packages the train path imports (tqdm, pillow)
@@ -288,15 +288,15 @@ def part_multi(c: Check) -> dict[str, Any]:
 
 PARTS = [  # limits: what one H200 needs, with room; on one GPU they add up to the default --budget
     Part("env", 15, part_env, "torch, CUDA, GPU, packages"),
-    Part("to99", 60, part_to99, "mnist-ddp train to a 99% model on the synthetic digits: wall time"),
+    Part("to99", 40, part_to99, "mnist-ddp train to a 99% model on the synthetic digits: wall time"),
     Part("graph", 45, part_graph, "--graph-step on vs off: images/s, first vs second epoch"),
-    Part("replay", 30, part_replay, "graph vs eager, SGD fp32: the same bytes?"),
+    Part("replay", 60, part_replay, "graph vs eager, SGD fp32: the same bytes?"),
     Part("bench", 75, part_bench, "mnist-ddp bench: ours vs the tutorial"),
     Part("amp", 25, part_amp, "--amp bf16 vs off, the step that runs: images/s"),
-    Part("compile", 60, part_compile, "--compile vs off: images/s, compile seconds"),
-    Part("deterministic", 30, part_deterministic, "--deterministic twice: SHA-256 of the model state"),
-    Part("bitwise", 30, part_bitwise, "--bitwise: the same run twice, another run once (SHA-256)"),
-    Part("profile", 30, part_profile, "--profile: phases of a step"),
+    Part("compile", 55, part_compile, "--compile vs off: images/s, compile seconds"),
+    Part("deterministic", 40, part_deterministic, "--deterministic twice: SHA-256 of the model state"),
+    Part("bitwise", 75, part_bitwise, "--bitwise: the same run twice, another run once (SHA-256)"),
+    Part("profile", 35, part_profile, "--profile: phases of a step"),
     Part("multi", 20, part_multi, "-g 2 (two GPUs or more)"),
 ]
 
@@ -349,7 +349,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--quick", action="store_true", help="tiny data and short runs: the plumbing, in about a minute")
     p.add_argument("--only", help="comma-separated parts to run (default: all, in order)")
-    p.add_argument("--budget", type=float, default=420.0, help="seconds for all parts together (default %(default)s)")
+    p.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together (default %(default)s)")
     p.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS", help="one part's time limit")
     p.add_argument("--out", help="where the three result files go (default: $OUT, else runs/gpu-check-<time>)")
     p.add_argument("--work", help="the runs' folders and the data cache (default: a temporary folder, removed)")
