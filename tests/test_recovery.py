@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,19 @@ def test_recover_is_refused_where_the_store_dies_with_a_rank(launcher: str) -> N
     assert recovery.for_run(ident, TrainConfig()) is None
 
 
+def _two_nodes(tmp_path: Path, env: dict[str, str]) -> Callable[..., subprocess.Popen]:
+    """Starts node n of a `-n 2 -g 1 --recover --bitwise` run on loopback, its output in tmp_path/log."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def node(n: int, log: str, *more: str, **extra: str) -> subprocess.Popen:
+        return start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "--timeout", "120", "-n", "2", "-g", "1",
+                      "-nr", str(n), "--master-addr", "127.0.0.1", "--master-port", port,
+                      "--out", str(tmp_path / f"node{n}"), *more], {**env, **extra}, tmp_path, tmp_path / log)
+    return node
+
+
 def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
     """-n 2 -g 1 on loopback: node 1's rank is lost at step 7 and node 1 is started again with the same command;
     it checks in, joins where step 41 begins (recovery.JOIN_VAR holds the run there for it), gets rank 0's state
@@ -173,16 +187,8 @@ def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
     calm, other = tmp_path / "calm", tmp_path / "other"
     _train(calm, *ARGS, "--bitwise", "-g", "2")
     _train(other, *ARGS, "--bitwise")  # the control: one process, M = 1, another run
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
-    outs = [tmp_path / f"node{n}" for n in range(2)]
-
-    def node(n: int, log: str, **extra: str) -> subprocess.Popen:
-        return start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "--timeout", "120", "-n", "2", "-g", "1",
-                      "-nr", str(n), "--master-addr", "127.0.0.1", "--master-port", port, "--out", str(outs[n])],
-                     {**env, **extra}, tmp_path, tmp_path / log)
+    node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
     with reaped(mark):
         first = node(0, "node0.log", **{recovery.JOIN_VAR: "40"})
         lost = node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"})
@@ -196,8 +202,37 @@ def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
     lines = _recover_lines(results[0][1])
     assert [line.split(" (")[0].split(";")[0] for line in lines] == [
         "recover: rank 1", "recover: rank 1 joined at epoch 2, step 11"], lines
-    assert checkpoint.digest(_model(outs[0])) == checkpoint.digest(_model(calm))
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
     assert checkpoint.digest(_model(other)) != checkpoint.digest(_model(calm))
-    assert [m["world_size"] for m in metrics(outs[0])] == [1, 2]
+    assert [m["world_size"] for m in metrics(out)] == [1, 2]
     assert [m["world_size"] for m in metrics(calm)] == [2, 2]
-    _same_record(outs[0], calm)
+    _same_record(out, calm)
+
+
+def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss(tmp_path: Path) -> None:
+    """Node 1 is lost at step 7; a replacement started with another --lr is refused (one line, exit 2) and the run
+    goes on; the right replacement joins at step 41 and is lost in its turn at step 50: node 0 finishes alone (a
+    third generation) with the undisturbed run's bytes."""
+    calm = tmp_path / "calm"
+    _train(calm, *ARGS, "--bitwise", "-g", "2")
+    env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
+    node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
+    with reaped(mark):
+        first = node(0, "node0.log", **{recovery.JOIN_VAR: "40"})
+        rc, said = finish(node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"}), tmp_path / "lost.log", RUN_TIMEOUT)
+        assert rc != 0, said
+        rc, refused = finish(node(1, "wrong.log", "--lr", "0.04"), tmp_path / "wrong.log", RUN_TIMEOUT)
+        rc_again, lost_again = finish(node(1, "again.log", **{recovery.LOSE_VAR: "1:50"}), tmp_path / "again.log",
+                                      RUN_TIMEOUT)
+        rc_first, log = finish(first, tmp_path / "node0.log", RUN_TIMEOUT)
+    sentences = [line for line in refused.splitlines() if line.startswith("mnist-ddp: ")]
+    assert rc == 2 and len(sentences) == 1 and "lr 0.04" in sentences[0], refused
+    assert rc_again != 0 and "run the same command again to rejoin them" in lost_again, lost_again
+    assert rc_first == 0, log
+    assert "refused " in log and "lr 0.04" in log, log
+    assert [line.split(" (")[0].split(";")[0] for line in _recover_lines(log)] == [
+        "recover: rank 1", "recover: rank 1 joined at epoch 2, step 11", "recover: rank 1"], log
+    assert "as generation 3" in _recover_lines(log)[-1] and not _recover_lines(log)[1].endswith(":"), log
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
+    assert [m["world_size"] for m in metrics(out)] == [1, 1]
+    _same_record(out, calm)

@@ -305,9 +305,12 @@ def spawn(cfg: TrainConfig) -> int:
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
                 hint = " (on a GPU, NCCL's watchdog ends a rank so when a collective fails: see its log)" \
                     if e.signal_name == "SIGABRT" else ""
-                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; the other "
-                                  f"processes were stopped. Run again with --resume to continue from the last "
-                                  f"checkpoint.") from None
+                after = ("under --recover the other nodes go on without this node's ranks: run the same command "
+                         "again to rejoin them (once the job has ended, with --resume)" if cfg.recover and cfg.node_rank
+                         else "the other processes were stopped. Run again with --resume to continue from the last "
+                         "checkpoint")
+                raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; {after}.") \
+                    from None
             cause = reports.cause()
             if cause is not None:
                 raise cause from None

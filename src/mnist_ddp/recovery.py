@@ -235,10 +235,10 @@ class Recovery:
         loop.d = self._enter(d, backend, members, d.rank, "re-formed with a replacement")
         self.handover(loop, parts)
         p, many = loop.t.progress, ", ".join(f"rank {r}" for r, _ in joiners)
+        how = loop.share.describe(loop.cfg.recipe.batch_size)
         loop.report.say(f"recover: {many} joined at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1}; "
                         f"{loop.d.world_size} processes re-formed as generation {self.generation} in "
-                        f"{time.perf_counter() - began:.2f} s and go on from there: "
-                        f"{loop.share.describe(loop.cfg.recipe.batch_size)}")
+                        f"{time.perf_counter() - began:.2f} s and go on from there{': ' + how if how else ''}")
 
     def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
         """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
