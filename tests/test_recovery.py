@@ -7,10 +7,14 @@ The run is test_bitwise.py's chaotic one (fp32 SGD, momentum 0.9: any deviation 
 micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
 """
 
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import socket
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +24,7 @@ import torch
 
 from conftest import metrics, progress, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, recovery
+from mnist_ddp import checkpoint, launch, recovery
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.errors import UserError
 from mnist_ddp.identity import Identity
@@ -236,3 +240,44 @@ def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss
     assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
     assert [m["world_size"] for m in metrics(out)] == [1, 1]
     _same_record(out, calm)
+
+
+def _exit_at(deadline: float, code: int) -> None:
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    os._exit(code)
+
+
+class _SlowToRead:
+    """A real child whose exit code takes 0.1 s to read: the window in which the other children end, widened."""
+
+    def __init__(self, p: multiprocessing.process.BaseProcess) -> None:
+        self.p = p
+
+    @property
+    def sentinel(self) -> int:
+        return self.p.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        time.sleep(0.1)
+        return self.p.exitcode
+
+
+@pytest.mark.parametrize("codes, finished", [((1, 0, 0), True), ((1, 1, 1), False)])
+def test_the_launcher_sees_its_last_children_end_while_it_looks(codes: tuple[int, ...], finished: bool) -> None:
+    """Under --recover the launcher waits for every child. One child ends, and the last two end while the launcher
+    reads the exit codes (0.35 s later, each read taking 0.1 s): it must still return, and say whether any finished
+    the run, not wait on an empty list of running children for ever."""
+    ctx, ends = multiprocessing.get_context("fork"), time.monotonic() + 1.0
+    children = [ctx.Process(target=_exit_at, args=(ends + (0.35 if i else 0.0), code)) for i, code in enumerate(codes)]
+    for p in children:
+        p.start()
+    result: list[bool] = []
+    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(
+        [_SlowToRead(p) for p in children])), daemon=True)
+    waiting.start()
+    waiting.join(30)
+    for p in children:
+        p.join(5)
+    assert not waiting.is_alive(), "the launcher still waits after every child ended"
+    assert result == [finished]

@@ -25,6 +25,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -251,15 +252,22 @@ def _after_abort(children: mp.ProcessContext, cfg: TrainConfig, store: "dist.TCP
     return "" if said.startswith("every rank still answers") else said
 
 
-def _running(children: mp.ProcessContext) -> list[int]:
-    return [p.sentinel for p in children.processes if p.exitcode is None]
+class Child(Protocol):
+    """What the launcher reads of a spawned process (multiprocessing's)."""
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
 
 
-def _ended(children: mp.ProcessContext) -> bool | None:
-    """--recover, where a lost child does not end the job (recovery.py): False while some child runs, None once all
-    ended and some finished the run, True once all ended and none did (then the first failure is the job's)."""
-    codes = [p.exitcode for p in children.processes]
-    return False if None in codes else None if 0 in codes else True
+def await_every_child(processes: list[Child]) -> bool:
+    """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended; whether
+    some finished the run (else the first failure is the job's). Each wait is on the children it saw running."""
+    while running := [p.sentinel for p in processes if p.exitcode is None]:
+        multiprocessing.connection.wait(running)
+    return any(p.exitcode == 0 for p in processes)
 
 
 def spawn(cfg: TrainConfig) -> int:
@@ -286,11 +294,10 @@ def spawn(cfg: TrainConfig) -> int:
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
             while True:
-                multiprocessing.connection.wait(_running(children) if cfg.recover else list(children.sentinels))
-                if cfg.recover and (ended := _ended(children)) is not True:  # a lost child: the others re-form
-                    if ended is None:
-                        break
-                    continue
+                if not cfg.recover:
+                    multiprocessing.connection.wait(list(children.sentinels))
+                elif await_every_child(children.processes):  # a lost child: the others re-formed and finished
+                    break
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)
                 if children.join(grace_period=SETTLE_S):
