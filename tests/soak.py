@@ -8,6 +8,7 @@ started. The output of every failed or hung run is kept in one folder, printed a
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,12 @@ def kill_run(run: str) -> list[int]:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def skipped(log: Path) -> int:
+    """How many tests pytest's last line in `log` says it skipped (a skip proves nothing: the summary counts them)."""
+    found = re.findall(r"(\d+) skipped", log.read_text(errors="replace").rstrip().rsplit("\n", 1)[-1])
+    return int(found[0]) if found else 0
 
 
 def run_module(module: str, limit: float, log: Path) -> str:
@@ -103,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             outcome = run_module(module, args.limit, log)
             tally[module][outcome] += 1
-            print(f"soak: round {round_}/{args.rounds} test_{module}: {outcome} ({time.monotonic() - started:.0f} s)"
-                  f"{f', output in {log}' if outcome != 'passed' else ''}", flush=True)
+            tally[module]["skipped"] += (skips := skipped(log))
+            print(f"soak: round {round_}/{args.rounds} test_{module}: {outcome} ({time.monotonic() - started:.0f} s"
+                  f"{f', {skips} skipped' if skips else ''}){f', output in {log}' if outcome != 'passed' else ''}",
+                  flush=True)
             if outcome == "passed":
                 log.unlink()
-    failed, hung = (sum(t[k] for t in tally.values()) for k in ("failed", "hung"))
+    failed, hung, skips = (sum(t[k] for t in tally.values()) for k in ("failed", "hung", "skipped"))
     detail = ", ".join(f"{m} {t['failed']}/{t['hung']}" for m, t in tally.items())
-    print(f"soak: {len(modules)} modules x {args.rounds} rounds: {failed} failed, {hung} hung (failed/hung per module: "
-          f"{detail}); failed runs' output in {keep}")
+    print(f"soak: {len(modules)} modules x {args.rounds} rounds: {failed} failed, {hung} hung, {skips} tests skipped "
+          f"(failed/hung per module: {detail}); failed runs' output in {keep}")
     return 0 if failed + hung == 0 else 1
 
 
