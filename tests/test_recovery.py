@@ -213,10 +213,12 @@ def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
     _same_record(out, calm)
 
 
-def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("again", ["40", "50"])
+def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss(tmp_path: Path, again: str) -> None:
     """Node 1 is lost at step 7; a replacement started with another --lr is refused (one line, exit 2) and the run
-    goes on; the right replacement joins at step 41 and is lost in its turn at step 50: node 0 finishes alone (a
-    third generation) with the undisturbed run's bytes."""
+    goes on; the right replacement joins where step 41 begins and is lost in its turn where step `again` + 1
+    begins (its first step, or later): node 0 finishes alone (a third generation) with the undisturbed run's
+    bytes."""
     calm = tmp_path / "calm"
     _train(calm, *ARGS, "--bitwise", "-g", "2")
     env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
@@ -226,7 +228,7 @@ def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss
         rc, said = finish(node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"}), tmp_path / "lost.log", RUN_TIMEOUT)
         assert rc != 0, said
         rc, refused = finish(node(1, "wrong.log", "--lr", "0.04"), tmp_path / "wrong.log", RUN_TIMEOUT)
-        rc_again, lost_again = finish(node(1, "again.log", **{recovery.LOSE_VAR: "1:50"}), tmp_path / "again.log",
+        rc_again, lost_again = finish(node(1, "again.log", **{recovery.LOSE_VAR: f"1:{again}"}), tmp_path / "again.log",
                                       RUN_TIMEOUT)
         rc_first, log = finish(first, tmp_path / "node0.log", RUN_TIMEOUT)
     sentences = [line for line in refused.splitlines() if line.startswith("mnist-ddp: ")]

@@ -86,10 +86,14 @@ class SlotReduction(Reduction):
         self.held: Callable[[], Mapping[int, torch.Tensor]] | None = None  # `carry_sets`
         self.width = 0
 
-    def carry_sets(self, held: Callable[[], Mapping[int, torch.Tensor]], width: int) -> None:
+    def carry_sets(self, held: Callable[[], Mapping[int, torch.Tensor]], width: int,
+                   known: torch.Tensor | None = None) -> None:
         """--recover: send this rank's BatchNorm sets (`held()`, by part, `width` numbers each) with each step's
-        gradients, so that every rank knows every part's (`sets`) when one is lost."""
+        gradients, so that every rank knows every part's (`sets`) when one is lost; `known` (a row per part,
+        after a re-forming) stands for them until the first step."""
         self.held, self.width = held, width
+        if known is not None:
+            self.sets = dict(enumerate(known))
 
     def loss_weight(self, samples: int) -> float:
         return 1 / samples

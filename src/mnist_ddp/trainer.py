@@ -64,7 +64,7 @@ class Trainer:
         self.stats = PartStats(self.t.model, share, d.rank, saved_stats)
         self.reduction = reduction.for_run(cfg.bitwise, self.t.model, share, d.rank)
         if self.recovery and isinstance(self.reduction, reduction.SlotReduction):  # --recover keeps every part's set
-            self.reduction.carry_sets(self.stats.held, sum(b.numel() for b in self.stats.live))
+            self.reduction.carry_sets(self.stats.held, sum(b.numel() for b in self.stats.live), saved_stats)
 
     def run(self) -> EvalResult:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
