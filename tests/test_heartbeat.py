@@ -221,3 +221,25 @@ def test_silent_ranks_on_this_machine_are_named_with_what_proc_says(store: dist.
                     f"stopped answering: alive, stuck in the kernel (waiting on a disk or a network file system); "
                     f"{last}"), said
     ranks[0].stop(LOST_CONTACT, culprit=False)
+
+
+def test_a_survivor_quotes_what_the_store_host_found_once_the_store_is_gone() -> None:
+    """Rank 0 hosts the store, finds rank 2 gone and leaves, taking the store with it; rank 1, which heard of the
+    failure only as rank 0 left (waiting on it in gloo's ring), can no longer read the beats: it quotes what rank 0
+    found, which its beat thread read while the store answered, rather than name rank 0. (Beats every 0.05 s;
+    whether a beat looked late decides nothing asserted here.)"""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    host, survivor = (Heartbeat(_client(server), rank, 3, 0.05, store_host=0) for rank in (0, 1))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    server.set("2", json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "node": heartbeat._node(),
+                                "start": "0", "seq": 5, "doing": "training (epoch 1, step 3)", "left": None,
+                                "culprit": False}))
+    found = host.diagnose()
+    gone = f"rank 2 ({socket.gethostname()}, pid {int(dead.stdout)}) stopped answering: gone ("
+    assert gone in found, found
+    _until("rank 1's thread to read rank 0's finding", lambda: survivor.verdict == found)
+    host.stop(LOST_CONTACT, culprit=False)
+    del host, server  # rank 0's process ends, and its store with it
+    said = survivor.diagnose()
+    assert said.startswith("rank 0 (") and f"which hosts the rendezvous store, left after it found: {found}" in said
+    survivor.stop(LOST_CONTACT, culprit=False)

@@ -19,6 +19,7 @@ T = TypeVar("T")
 BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
 BEAT_WAIT_S = 2.0  # how long a reading waits for the store (answers take milliseconds): a frozen host is told soon
 LOST_CONTACT = "lost contact"  # the last words of a survivor
+VERDICT = "verdict"  # where a rank that hosts the store leaves its diagnosis, before it leaves and takes the store
 
 
 def beats_prefix(generation: int) -> str:
@@ -95,6 +96,7 @@ class Heartbeat:
         self.phase = self.doing = "joining the process group"
         self.seq = 0
         self.stopped = self.store_silent = False
+        self.verdict = ""  # the store host's diagnosis, read while the store answered
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mnist-ddp heartbeat", daemon=True)
         self.thread.start()
@@ -136,6 +138,8 @@ class Heartbeat:
                 self._beat()
                 if len(self.roster) < self.world:
                     self.roster = {**self._read()[0], **self.roster}
+                if self.store_host not in (None, self.rank) and self.store.check([VERDICT]):
+                    self.verdict = untrusted.text(self.store.get(VERDICT), limit=2000)
             self.wake.wait(self.interval)
             self.wake.clear()
 
@@ -178,15 +182,20 @@ class Heartbeat:
         found = first and _bounded(lambda: self._diagnose(first[0]),
                                    self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
         if found is not None:
+            if found and self.store_host == self.rank:  # for ranks that hear of the failure only as this one leaves
+                _bounded(lambda: self.store.set(VERDICT, found), BEAT_WAIT_S)
             return found
         self.store_silent = True
         if self.store_host is None:
             return ("the rendezvous store does not answer either, so the launcher that hosts it (torchrun's agent, "
                     "or node 0's mnist-ddp process) is gone or frozen")
         host = self.roster.get(self.store_host)
+        who = f"{self._who(self.store_host, host) if host else f'rank {self.store_host}'}, which hosts the " \
+              f"rendezvous store,"
+        if self.verdict:
+            return f"{who} left after it found: {self.verdict}"
         fate = _fate(host) if host and host["node"] == self.me["node"] else "gone or frozen"
-        return (f"{self._who(self.store_host, host) if host else f'rank {self.store_host}'}, which hosts the "
-                f"rendezvous store, stopped answering: {fate} (the store does not answer either)")
+        return f"{who} stopped answering: {fate} (the store does not answer either)"
 
     def _diagnose(self, first: dict[int, dict]) -> str:
         """`diagnose`'s reading of the store, after the `first` one."""
