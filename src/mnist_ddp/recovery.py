@@ -33,7 +33,7 @@ from .steps import PartStats
 
 # Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins.
 LOSE_VAR = "MNIST_DDP_TEST_LOSE"
-# Tests only: "S": where step S + 1 begins, a smaller world waits (up to --timeout) for a replacement to check in.
+# Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.
 JOIN_VAR = "MNIST_DDP_TEST_JOIN"
 JOIN_EVERY = 10  # steps: how often a world smaller than the first looks for a replacement (rank 0, in the store)
 POLL_S = 0.02
@@ -205,7 +205,10 @@ class Recovery:
         if len(self.first) == self.ident.world_size or self.entry is None or (steps % JOIN_EVERY and
                                                                                steps != self.await_at):
             return
-        found = loop.d.from_main(lambda: self._admitted(wait=steps == self.await_at))
+        wait = steps == self.await_at
+        if wait:
+            self.await_at = -1  # JOIN_VAR holds the run once, not again where a recovery goes back to that step
+        found = loop.d.from_main(lambda: self._admitted(wait=wait))
         if found:
             raise Grow([(int(r), str(token)) for r, token in found])
 
