@@ -58,7 +58,6 @@ class Reformed:
     d: Dist
     position: int  # the position (Snapshots) every survivor goes back to
     lost: list[str]  # who was lost, in words (ranks as the first world numbered them)
-    generation: int
 
 
 class Loop(Protocol):
@@ -152,11 +151,16 @@ class Recovery:
             loop.report = loop.report.taken_over(loop.samples_done)
         loop.report.keep_epochs_before(loop.t.progress.epoch)
         loop.report.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
-        p, how, many = loop.t.progress, loop.share.describe(loop.cfg.recipe.batch_size), loop.d.world_size > 1
+        p = loop.t.progress
         loop.report.say(f"recover: {', '.join(new.lost)} lost at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1} "
-                        f"(rank {rank_was} saw: {failure}); {loop.d.world_size} process{'es' if many else ''} "
-                        f"re-formed as generation {new.generation} in {time.perf_counter() - began:.2f} s and "
-                        f"go{'' if many else 'es'} on from there{': ' + how if how else ''}")
+                        f"(rank {rank_was} saw: {failure}); {self._went_on(loop, began)}")
+
+    def _went_on(self, loop: Loop, began: float) -> str:
+        """The end of a `recover: ` line: the new world, its generation, the seconds since `began`, its share."""
+        many, how = loop.d.world_size > 1, loop.share.describe(loop.cfg.recipe.batch_size)
+        return (f"{loop.d.world_size} process{'es' if many else ''} re-formed as generation {self.generation} in "
+                f"{time.perf_counter() - began:.2f} s and go{'' if many else 'es'} on from there"
+                f"{': ' + how if how else ''}")
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop the heartbeat of the last generation, if the run re-formed (`Heartbeat.stop`)."""
@@ -178,7 +182,7 @@ class Recovery:
                                if r in roster else "") for r in lost]
         new = self._enter(d, backend, [self.first[r] for r in members], members.index(d.rank), "re-formed without "
                           "the lost")
-        return Reformed(new, back_to, said, self.generation)
+        return Reformed(new, back_to, said)
 
     def _store(self) -> dist.Store:
         if self.store is None:
@@ -237,11 +241,9 @@ class Recovery:
         distributed.teardown(together=True)
         loop.d = self._enter(d, backend, members, d.rank, "re-formed with a replacement")
         self.handover(loop, parts)
-        p, many = loop.t.progress, ", ".join(f"rank {r}" for r, _ in joiners)
-        how = loop.share.describe(loop.cfg.recipe.batch_size)
-        loop.report.say(f"recover: {many} joined at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1}; "
-                        f"{loop.d.world_size} processes re-formed as generation {self.generation} in "
-                        f"{time.perf_counter() - began:.2f} s and go on from there{': ' + how if how else ''}")
+        p, joined = loop.t.progress, ", ".join(f"rank {r}" for r, _ in joiners)
+        loop.report.say(f"recover: {joined} joined at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1}; "
+                        f"{self._went_on(loop, began)}")
 
     def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
         """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
