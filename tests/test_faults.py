@@ -490,3 +490,29 @@ def test_sigterm_to_the_group_returns_only_when_every_worker_has_ended(tmp_path:
         left = [pid for pid in marked_pids(mark) if pid in workers]
         assert left == [], f"still there when the launcher returned: {describe(left)}\n{log}"
         assert rc == 130 and "mnist-ddp: interrupted." in log and "Traceback" not in log, log
+
+
+def _report_while_joined(local_rank: int, port: int, out: str, seen: str) -> None:
+    """A rank of a `-g 2` job (as launch.spawn starts one) whose rank 0 refuses an --out that holds a run: every
+    rank's error is reported through `report`, which writes down whether the rank was still in the group."""
+    from mnist_ddp import cli, launch
+
+    cfg = cli.configure(["train", *tiny(), "--out", out])
+    ident = identity.spawned(0, local_rank, 2, 1, "127.0.0.1", port)
+    report = lambda e: Path(seen, str(local_rank)).write_text(f"{dist.is_initialized()} {type(e).__name__}")  # noqa: E731
+    with suppress(Exception):
+        launch.run_worker(ident, cfg, claim_out=True, report=report)
+
+
+def test_a_rank_reports_its_error_before_it_leaves_the_group(tmp_path: Path) -> None:
+    """Leaving the group is what makes a peer fail next ("Connection closed by peer"), so a child hands its error
+    to the launcher while still in the group: the launcher then shows the first failure's words, not an echo
+    (docs/design/heartbeat.md). Two real gloo ranks; rank 0's error is its own, rank 1's the relayed one."""
+    out, seen = tmp_path / "run", tmp_path / "seen"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")  # a run is there already: rank 0 refuses the --out, inside the group
+    seen.mkdir()
+    store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=60))
+    mp.spawn(_report_while_joined, args=(store.port, str(out), str(seen)), nprocs=2, join=True)
+    del store
+    assert sorted(p.read_text() for p in seen.iterdir()) == ["True UserError", "True UserError"]

@@ -18,7 +18,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
@@ -78,53 +78,68 @@ def _signals_interrupt() -> Iterator[None]:
                 signal.signal(s, h)
 
 
-def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False) -> int:
+def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
+               report: Callable[[UserError], None] = lambda e: None) -> int:
     """One rank, start to finish: device, cores, process group, training; the group is always left.
 
     `claim_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
-    once (torchrun and srun start all ranks before any of them could look).
+    once (torchrun and srun start all ranks before any of them could look). `report` hears this rank's error
+    before it leaves the group: leaving is what makes a peer fail next ("Connection closed by peer"), so the
+    launcher hears the first rank's words first (docs/design/heartbeat.md).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
-        device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size)
-        if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
-            compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
-        settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining and any kernel
-        if settings and ident.rank == 0:
-            print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
-        creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
-        d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
-        if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
-            # Not an error: the tutorial's flags, typed as they are, must keep working.
-            print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any process "
-                  f"that can reach {ident.master_addr}:{ident.master_port} could have joined it; give every node the "
-                  f"same secret (see docs/security.md).", file=sys.stderr, flush=True)
-        finished, rec = False, None
+        d, rec, finished = None, None, False
         try:
-            if claim_out:
-                if not cfg.resume and restarting(Path(cfg.out), ident, d):
-                    cfg = replace(cfg, resume=True)
-                d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
-            rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
-            trainer.run(cfg, d, rec)
+            device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size)
+            if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
+                compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
+            settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining, any kernel
+            if settings and ident.rank == 0:
+                print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
+            creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
+            d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
+            if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
+                # Not an error: the tutorial's flags, typed as they are, must keep working.
+                print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any "
+                      f"process that can reach {ident.master_addr}:{ident.master_port} could have joined it; give "
+                      f"every node the same secret (see docs/security.md).", file=sys.stderr, flush=True)
+            with _named_peer_failure(d, cfg.timeout):
+                if claim_out:
+                    if not cfg.resume and restarting(Path(cfg.out), ident, d):
+                        cfg = replace(cfg, resume=True)
+                    d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
+                rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
+                trainer.run(cfg, d, rec)
             finished = True
             return 0
-        except RuntimeError as e:
-            if d.world_size > 1 and distributed.is_peer_failure(e):
-                who = d.heartbeat.diagnose() if d.heartbeat else ""
-                who = who or (f"one of them crashed, was killed or stopped answering for --timeout {cfg.timeout:g} s "
-                              f"(see its log)")
-                raise PeerFailure(
-                    f"rank {d.rank} lost contact with the other processes ({rendezvous.error_summary(e)}); {who}. Work "
-                    f"since the last checkpoint is lost: run again with --resume to continue from it."
-                ) from e
+        except UserError as e:
+            report(e)
             raise
         finally:
             words = _last_words(sys.exc_info()[1])
-            if d.heartbeat:
+            if d and d.heartbeat:
                 d.heartbeat.stop(*words)
             if rec:  # after a re-forming, the last generation's heartbeat
                 rec.stop(*words)
             distributed.teardown(together=finished)
+
+
+@contextmanager
+def _named_peer_failure(d: Dist, timeout_s: float) -> Iterator[None]:
+    """A collective that failed because a peer died or stopped answering becomes a PeerFailure naming who (the
+    heartbeat's diagnosis); any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        if d.world_size > 1 and distributed.is_peer_failure(e):
+            who = d.heartbeat.diagnose() if d.heartbeat else ""
+            who = who or (f"one of them crashed, was killed or stopped answering for --timeout {timeout_s:g} s "
+                          f"(see its log)")
+            raise PeerFailure(
+                f"rank {d.rank} lost contact with the other processes ({rendezvous.error_summary(e)}); {who}. Work "
+                f"since the last checkpoint is lost: run again with --resume to continue from it."
+            ) from e
+        raise
 
 
 def _last_words(e: BaseException | None) -> tuple[str, bool]:
@@ -209,9 +224,8 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
     console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
-        run_worker(ident, cfg)
+        run_worker(ident, cfg, report=reports.put)
     except UserError as e:
-        reports.put(e)
         _leave(e.exit_code)
     except KeyboardInterrupt:
         _leave(130)
