@@ -38,6 +38,7 @@ HOMES = {
     ("distributed", "Dist.all_sum"): "it reduces the tensor its caller made: rule 2 checks every call of all_sum",
     ("distributed", "Dist.broadcast"): "its tensors are made on self._wire: the rank's GPU under nccl",
     ("distributed", "Dist.gather"): "its tensors are made on self._wire: the rank's GPU under nccl",
+    ("distributed", "Dist.barrier"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
     ("distributed", "teardown"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
     ("reduction", "MeanReduction.reduce"): "DDP's gradient bucket lives on the model's device",
     ("reduction", "gather"): "its rows are made like `like` (new_zeros, new_empty): a gradient bucket or the "

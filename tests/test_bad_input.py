@@ -190,13 +190,15 @@ def test_bad_input(case: str, tmp_path: Path, clean_env: pytest.MonkeyPatch, cap
 
 
 def test_preflight_counts_gpus_only_when_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """-g above the GPU count is an error on CUDA; on the CPU -g means worker processes and any number is fine."""
+    """-g above the GPU count is an error on CUDA (NCCL: a GPU each) unless --backend gloo lets processes share them;
+    on the CPU -g means worker processes and any number is fine."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     launch.preflight(TrainConfig(gpus=2))
     with pytest.raises(UserError, match="-g/--gpus 3 asks for more GPUs than the 2 visible"):
         launch.preflight(TrainConfig(gpus=3))
     launch.preflight(TrainConfig(gpus=3, device="cpu"))  # CPU worker processes: not limited by GPUs
+    launch.preflight(TrainConfig(gpus=3, backend="gloo"))  # gloo: processes may share a GPU
 
 
 def test_hostile_checkpoint_as_a_real_process(tmp_path: Path) -> None:

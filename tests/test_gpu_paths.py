@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, compute, datasets, ddp, distributed, divergence, forkserver, trainer
+from mnist_ddp import cli, compute, datasets, ddp, distributed, divergence, forkserver, graphstep, trainer
 from mnist_ddp.batches import Share
 from mnist_ddp.config import DataConfig, TrainConfig
 from mnist_ddp.distributed import Dist
@@ -64,6 +64,38 @@ def test_local_processes_that_would_share_a_gpu_are_refused(local_rank: int, loc
                                                             said: str) -> None:
     with pytest.raises(UserError, match=re.escape(said)):
         distributed.gpu_index(local_rank, local_world, visible, {"SLURM_GPUS_PER_TASK": ""})  # empty: not set
+
+
+@pytest.mark.parametrize(("visible", "indices"), [(1, [0, 0, 0]), (2, [0, 1, 0]), (3, [0, 1, 2])])
+def test_under_gloo_processes_share_the_gpus_in_turn(visible: int, indices: list[int]) -> None:
+    """--backend gloo (`share`): a student with one GPU can run -g 3; NCCL's rule (a GPU each) does not bind gloo. The
+    refusal's sentence says so; the control: the same processes without `share` are refused."""
+    assert [distributed.gpu_index(r, 3, visible, {}, share=True) for r in range(3)] == indices
+    if visible < 3:
+        with pytest.raises(UserError, match="or let them share over --backend gloo"):
+            distributed.gpu_index(0, 3, visible, {})
+
+
+def test_processes_sharing_a_gpu_are_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line says that the processes share the GPU, and only where they do: not one process per GPU, not on the
+    CPU, not where the launcher gave each process its own (CUDA_VISIBLE_DEVICES per process)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = torch.device("cuda", 0)
+    assert distributed.sharing(gpu, 2, {}).startswith("gpu: 2 processes share 1 GPU over gloo")
+    assert distributed.sharing(gpu, 1, {}) == ""
+    assert distributed.sharing(torch.device("cpu"), 2, {}) == ""
+    assert distributed.sharing(gpu, 2, {"CUDA_VISIBLE_DEVICES": "1"}) == ""
+
+
+def test_several_gpus_keep_the_eager_step_until_they_have_run_it() -> None:
+    """--graph-step auto on CUDA: one GPU gets the graph step, several the eager DDP step (until a run on several GPUs
+    is recorded in docs/gpu.md), saying why and how to opt in; --graph-step on opts in."""
+    assert not graphstep.RAN_ON_SEVERAL_GPUS
+    one, two = (Dist(0, 0, w, w, torch.device("cuda", 0)) for w in (1, 2))
+    assert graphstep.eager_because(TrainConfig(), one, "off", True) == ""
+    assert "not yet run on several GPUs" in graphstep.eager_because(TrainConfig(), two, "off", True)
+    assert "--graph-step on opts in" in graphstep.eager_because(TrainConfig(), two, "off", True)
+    assert graphstep.eager_because(TrainConfig(graph_step="on"), two, "off", True) == ""
 
 
 def test_torchrun_with_more_processes_than_gpus_is_one_sentence(monkeypatch: pytest.MonkeyPatch,
@@ -359,18 +391,23 @@ def test_the_step_loop_reads_from_the_device_only_at_its_folds(monkeypatch: pyte
 
 def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -> None:
     """benchmarks/gpu_check.py's plumbing, in its quick CPU mode: its three files and nothing else, the parts that
-    finished recorded with their results, and a part cut short by its time limit recorded as such (the check goes
-    on). --plan names every part without running any, their limits within the budget and 8 minutes."""
+    finished recorded with their results (DDP captured in a world of one: on the CPU the same code eagerly, the same
+    bytes), and a part cut short by its time limit recorded as such (the check goes on). --plan names every part
+    without running any, the budget within 8 minutes and the parts not yet measured on a GPU within it."""
     out = tmp_path / "out"
     # The parts that must finish get limits no loaded box reaches (these are hang guards, not timings).
-    limits = ["--limit", "env=300", "--limit", "deterministic=600", "--limit", "profile=1", "--budget", "1200"]
+    limits = ["--limit", "env=300", "--limit", "ddp_capture=600", "--limit", "deterministic=600",
+              "--limit", "profile=1", "--budget", "1800"]
     r = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--only",
-                        "env,deterministic,profile", *limits, "--out", str(out), "--work", str(tmp_path / "work")],
-                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=1300)
+                        "env,ddp_capture,deterministic,profile", *limits, "--out", str(out),
+                        "--work", str(tmp_path / "work")],
+                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=1900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "summary.json", "summary.md"]
     parts = json.loads((out / "summary.json").read_text())["parts"]
     assert parts["env"]["status"] == "done" and parts["env"]["result"]["torch"] == torch.__version__, parts
+    assert parts["ddp_capture"]["result"]["same_bytes_captured_and_graph_eager"], parts["ddp_capture"]
+    assert "DDP's forward, backward with its all-reduce" in parts["ddp_capture"]["result"]["step"]
     digests = parts["deterministic"]["result"]["sha256"]
     assert parts["deterministic"]["result"]["bitwise_equal"]
     assert all(re.fullmatch("sha256:[0-9a-f]{64}", h) for h in digests), digests
@@ -379,7 +416,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_keeps_what_finished(tmp_path: Path) -
     plan = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--plan"], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=60)
     assert [line.split()[0] for line in plan.stdout.splitlines()] == \
-        ["env", "to99", "graph", "replay", "bench", "amp", "compile", "deterministic", "bitwise", "profile", "multi",
-         "all"], plan.stdout
+        ["env", "to99", "graph", "ddp_capture", "share", "replay", "bitwise", "bench", "amp", "compile",
+         "deterministic", "profile", "multi", "all"], plan.stdout
     limits = {line.split()[0]: float(line.split()[3]) for line in plan.stdout.splitlines()}
-    assert sum(v for k, v in limits.items() if k not in ("multi", "all")) <= limits["all"] <= 8 * 60, limits
+    first = ("env", "to99", "graph", "ddp_capture", "share", "replay", "bitwise")
+    assert sum(limits[k] for k in first) <= limits["all"] <= 8 * 60, limits

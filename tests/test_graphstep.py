@@ -13,16 +13,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import progress, spawn_gloo
+from conftest import progress, run_cli, spawn_gloo, tiny
+from datafiles import ONE_THREAD
 from mnist_ddp import ddp, distributed, flatopt, schedule
 from mnist_ddp.batches import DeviceData, ShardedBatches
 from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
-from mnist_ddp.graphstep import GraphStep, Pacer, PeerTimeout, choose
+from mnist_ddp.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
 from mnist_ddp.model import ConvNet
 from mnist_ddp.state import Progress, Training
 from mnist_ddp.steps import train_step
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
+from test_bitwise import model_hash
 from test_faults import HANG, _last_error, _train
 
 N, B, EPOCHS = 250, 32, 2  # 8 steps an epoch, the last of 26 samples: both step sizes, and an epoch boundary
@@ -194,20 +196,24 @@ def test_recover_keeps_the_eager_step_and_says_so(recover: bool) -> None:
     said: list[str] = []
     chosen = choose(TrainConfig(graph_step="on", recover=recover), ONE, t, batches, True, said.append)
     if recover:
-        assert chosen is None and said == ["step: eager (--recover snapshots and restores the eager step's state)"]
+        assert chosen is None and said == ["step: eager DDP (--recover snapshots and restores the eager step's state)"]
     else:
-        assert isinstance(chosen, GraphStep) and said == ["step: the graph step, eagerly"]
+        assert isinstance(chosen, GraphStep) and said == []
+        assert chosen.prepare(model, said.append) is chosen
+        assert said == ["step: the graph step, eagerly (forward, backward, the optimizer)"]
 
 
 WORLD = 2
 
 
 def _ranks(d: Dist, out: str) -> None:
-    """Each rank: the textbook step under DDP and the graph step, side by side, on this rank's shard."""
+    """Each rank: the eager textbook step under DDP and the graph step under its own DDP, side by side."""
     images, labels = _data()
-    model, opt, set_lr = _model("sgd", torch.float32)  # SGD: its update is the textbook's bytes, so only the
-    net = ddp.wrap(model, d)                           # reductions can differ
+    model, opt, set_lr = _model("sgd", torch.float32)  # SGD: its flat update is the textbook's bytes
+    net = ddp.wrap(model, d)
     step = _graph("sgd", torch.float32, d)
+    said: list[str] = []
+    step = step.prepare(ddp.wrap(step.model, d, keep_grads=True), said.append)
     batches = ShardedBatches(images, labels, B, rank=d.rank, world=WORLD, device=CPU, shuffle=True, seed=0)
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)
@@ -216,20 +222,20 @@ def _ranks(d: Dist, out: str) -> None:
             set_lr((epoch * N + min(N, s * B * WORLD)) / (EPOCHS * N))
             train_step(net, opt, x, y)
             step.step(s)
-    weights = {"ddp": [p.tolist() for p in model.parameters()],
+    weights = {"ddp": [p.tolist() for p in model.parameters()], "said": said,
                "graph": [p.tolist() for p in step.model.parameters()]}
     Path(out, f"rank{d.rank}.json").write_text(json.dumps(weights))
 
 
-def test_the_flat_all_reduce_gives_ddps_mean(tmp_path: Path) -> None:
-    """2 real gloo ranks, two epochs: the graph step's one all-reduce of its flat gradient buffer trains what DDP's
-    bucket all-reduce trains (to float tolerance: the same sum, perhaps not in the same order), and both ranks end
-    with the same weights."""
+def test_the_graph_step_under_ddp_trains_the_eager_ddp_steps_bytes(tmp_path: Path) -> None:
+    """2 real gloo ranks, two epochs with both step sizes: the graph step, whose model is under DDP (gradients kept
+    in its flat buffer), trains the same bytes as the eager textbook step under DDP, on both ranks."""
     spawn_gloo(_ranks, WORLD, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["said"] == ["step: the graph step, eagerly (DDP's forward, backward with its all-reduce, the "
+                                "optimizer)"]
     for r in ranks:
-        for a, b in zip(r["ddp"], r["graph"], strict=True):
-            torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
+        assert r["graph"] == r["ddp"]
     assert ranks[0]["graph"] == ranks[1]["graph"]
 
 
@@ -285,8 +291,30 @@ def test_a_frozen_peer_is_named_under_the_graph_step(tmp_path: Path) -> None:
         frozen = max(spawned_workers(proc.pid))
         os.kill(frozen, signal.SIGSTOP)
         rc, log = finish(proc, tmp_path / "log", HANG)
-    assert "step: the graph step, eagerly; gradients averaged by one all-reduce of a flat buffer" in log, log
+    assert "step: the graph step, eagerly (DDP's forward, backward with its all-reduce" in log, log
     line = _last_error(log)
     assert rc == 1 and "Traceback" not in log, log
     assert "lost contact with the other processes" in line and "--resume" in line, line
     assert f"pid {frozen}) stopped answering: stopped (SIGSTOP" in line, line
+
+
+def _capture_run(out: Path, graph_step: str, fails: str = "") -> tuple[str, str]:
+    """A -g 2 run's `step:` line and the SHA-256 of its saved model; `fails`: ranks whose capture fails (test hook)."""
+    r = run_cli("train", *tiny(), "-g", "2", "--graph-step", graph_step, "--out", str(out),
+                env={CAPTURE_FAILS_VAR: fails, **ONE_THREAD})
+    assert r.returncode == 0, r.stderr
+    return next((line for line in r.stdout.splitlines() if line.startswith("step:")), ""), model_hash(out)
+
+
+def test_one_ranks_failed_capture_makes_every_rank_eager_with_the_eager_runs_bytes(tmp_path: Path) -> None:
+    """Every rank captures or none does: `-g 2 --graph-step on` where rank 1's capture attempt fails (the test hook)
+    trains the eager DDP step on both ranks, says so naming rank 1, and saves byte for byte the model of a run that
+    was eager from the start (--graph-step off). The control: without the failure the graph step trains, and its
+    AdamW, rounding an ulp apart from torch's, saves other bytes."""
+    failed, line = _capture_run(tmp_path / "failed", "on", fails="1")
+    _, eager = _capture_run(tmp_path / "eager", "off")
+    graph_line, graph = _capture_run(tmp_path / "graph", "on")
+    assert failed == "step: eager DDP on every rank, as rank 1 could not capture the step: RuntimeError: " \
+                        f"capture failed ({CAPTURE_FAILS_VAR})"
+    assert line == eager
+    assert graph_line.startswith("step: the graph step, eagerly") and graph != eager

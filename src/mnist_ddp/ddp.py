@@ -1,6 +1,7 @@
 """The DDP wrap: one line in the textbook, plus the few settings that suit this small model."""
 
 import inspect
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -19,17 +20,22 @@ NO_BUFFER_SYNC = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_b
 
 
 def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = False, accumulating: bool = False,
-         hook: reduction.Reduction | None = None) -> nn.Module:
+         hook: reduction.Reduction | None = None, stream: torch.cuda.Stream | None = None,
+         keep_grads: bool = False, always: bool = False) -> nn.Module:
     """`model` under DDP when there are several ranks: DDP broadcasts rank 0's weights now, and all-reduces the
     gradients (their mean) during every backward. `hook` replaces DDP's all-reduce (--bitwise, --profile);
-    `accumulating`: some rank runs several micro-batches per step under `no_sync`."""
-    if d.world_size > 1:
+    `accumulating`: some rank runs several micro-batches per step under `no_sync`. The graph step's DDP is built on
+    its capture `stream` and writes the gradients back into the parameters' own (`keep_grads`: graphstep.py).
+    `always`: DDP in a world of one too (benchmarks/ddp_capture.py)."""
+    if d.world_size > 1 or always:
         if sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # One bucket for the 29k parameters, no gradient copies, and no per-step bookkeeping for a graph that
         # never changes (not with no_sync: docs/design/ddp-settings.md).
-        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, static_graph=not accumulating, bucket_cap_mb=1, **NO_BUFFER_SYNC)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                        gradient_as_bucket_view=not keep_grads, static_graph=not accumulating, bucket_cap_mb=1,
+                        **NO_BUFFER_SYNC)
         if hook is not None:
             model.register_comm_hook(hook, reduction.comm_hook)
     return torch.compile(model) if compile else model

@@ -32,9 +32,10 @@ class PeerFailure(UserError):
     exit_code = 1
 
 
-def pick_device(name: str, local_rank: int, local_world_size: int,
-                env: Mapping[str, str] = os.environ) -> torch.device:
-    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU (`gpu_index`).
+def pick_device(name: str, local_rank: int, local_world_size: int, env: Mapping[str, str] = os.environ, *,
+                share: bool = False) -> torch.device:
+    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU (`gpu_index`; `share`: processes
+    may share one, --backend gloo).
 
     A CUDA device always carries its index: `torch.cuda.set_device` and NCCL need to know which GPU."""
     if name == "auto":
@@ -42,7 +43,7 @@ def pick_device(name: str, local_rank: int, local_world_size: int,
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
-        return torch.device("cuda", gpu_index(local_rank, local_world_size, torch.cuda.device_count(), env))
+        return torch.device("cuda", gpu_index(local_rank, local_world_size, torch.cuda.device_count(), env, share))
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps was asked for, but this PyTorch has no MPS support here.")
     return torch.device(name)
@@ -53,20 +54,33 @@ def pick_device(name: str, local_rank: int, local_world_size: int,
 GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str]) -> int:
+def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str],
+              share: bool = False) -> int:
     """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` here) takes: its own by local
     rank; cuda:0 when there are fewer and the launcher chose each process's (`GPU_CHOSEN_BY`, taken at its word:
-    `join` names a duplicate); else refused, as NCCL would stop the job (docs/design/nccl-errors.md)."""
+    `join` names a duplicate); with `share` (gloo, which NCCL's one-process-per-GPU rule does not bind), in turn;
+    else refused, as NCCL would stop the job (docs/design/nccl-errors.md)."""
     processes = max(local_world_size, local_rank + 1)
     if processes <= visible:
         return local_rank
     if any(env.get(name) for name in GPU_CHOSEN_BY):
         return 0
+    if share:
+        return local_rank % visible
     shared = "so they would all use cuda:0, which NCCL refuses" if visible == 1 else "too few for one each"
     raise UserError(f"{processes} processes run on this machine but this one sees {visible} GPU"
                     f"{'s' if visible > 1 else ''} ({shared}); start at most {visible} per machine "
                     f"(torchrun --nproc-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1, "
-                    f"or CUDA_VISIBLE_DEVICES set per process).")
+                    f"or CUDA_VISIBLE_DEVICES set per process), or let them share over --backend gloo.")
+
+
+def sharing(device: torch.device, local_world_size: int, env: Mapping[str, str] = os.environ) -> str:
+    """The line that says this machine's processes share its GPUs (`gpu_index`'s `share`; '' where each has its own)."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if local_world_size <= visible or not visible or any(env.get(name) for name in GPU_CHOSEN_BY):
+        return ""
+    return (f"gpu: {local_world_size} processes share {visible} GPU{'s' if visible > 1 else ''} over gloo, whose "
+            f"all-reduce goes through host memory: right to learn DDP on, not to measure its speed")
 
 
 def nccl_error_handling(env: Mapping[str, str]) -> dict[str, str]:
@@ -105,6 +119,11 @@ class Dist:
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+        if self.world_size > 1:
+            dist.barrier()
 
     def raise_if_aborted(self) -> None:
         """Raise, as the next collective would, when NCCL's watchdog has aborted the communicator; rank 0 asks

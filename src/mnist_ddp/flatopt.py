@@ -52,6 +52,15 @@ def flatten(model: nn.Module, opt: torch.optim.Optimizer, grads: torch.Tensor) -
     return flat
 
 
+def unflatten(opt: torch.optim.Optimizer, flat: Flat) -> None:
+    """Hand `opt` back to torch's own step: each parameter its own step count (torch increments each one), and no
+    gradients yet. Parameters and moments stay views of the flat buffers, which torch's step updates in place."""
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        p.grad = None
+        if "step" in opt.state[p]:
+            opt.state[p]["step"] = flat.step.clone()
+
+
 def adamw(flat: Flat, lr: torch.Tensor, beta1: torch.Tensor, beta2: float, eps: float, weight_decay: float) -> None:
     """One AdamW step (decoupled weight decay), the arithmetic of torch's capturable AdamW on one flat buffer."""
     p, g, m, v = flat.params, flat.grads, flat.state["exp_avg"], flat.state["exp_avg_sq"]

@@ -90,7 +90,10 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         d, rec, finished = None, None, False
         try:
-            device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size)
+            device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size,
+                                             share=cfg.backend == "gloo")
+            if ident.rank == 0 and (line := distributed.sharing(device, ident.local_world_size)):
+                print(line, flush=True)
             if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
                 compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
             settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining, any kernel
@@ -174,8 +177,9 @@ def restarting(out: Path, ident: Identity, d: Dist) -> bool:
 def preflight(cfg: TrainConfig) -> None:
     """Checks that need this machine, done once before any process starts."""
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cuda and cfg.gpus > torch.cuda.device_count():
-        raise UserError(f"-g/--gpus {cfg.gpus} asks for more GPUs than the {torch.cuda.device_count()} visible here.")
+    if cuda and cfg.gpus > torch.cuda.device_count() and cfg.backend != "gloo":
+        raise UserError(f"-g/--gpus {cfg.gpus} asks for more GPUs than the {torch.cuda.device_count()} visible here "
+                        f"(NCCL needs one GPU per process; --backend gloo lets processes share them).")
     if not cuda:  # asked for explicitly (--device cpu/mps) or because there is no GPU
         if cfg.sync_bn:
             raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")

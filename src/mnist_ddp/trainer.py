@@ -79,7 +79,9 @@ class Trainer:
         if self.recovery and self.recovery.joining:  # a replacement of a lost rank: the run's state from rank 0
             self.recovery.handover(self)
         self.graph = graphstep.choose(self.cfg, self.d, self.t, self.train_batches, self.textbook, self.report.say)
-        net = self.t.model if self.graph else self._wrap()  # the graph step all-reduces its gradients itself
+        net = self._wrap()
+        if self.graph:  # None: some rank could not capture it, and every rank trains the eager step
+            self.graph = self.graph.prepare(net, self.report.say)
         result = None
         while (epoch := self.t.progress.epoch) < self.cfg.recipe.epochs:
             try:
@@ -102,8 +104,10 @@ class Trainer:
 
     def _wrap(self) -> nn.Module:
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
+        g = self.graph  # the graph step's DDP: on its capture stream, the gradients in its flat buffer
         return ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
-                        accumulating=self.share.parts > self.share.world, hook=hook)
+                        accumulating=self.share.parts > self.share.world, hook=hook, stream=g and g.stream,
+                        keep_grads=g is not None)
 
     def _epoch(self, net: nn.Module, epoch: int) -> EvalResult:
         """Train the rest of `epoch`, evaluate, record, save."""
