@@ -36,6 +36,7 @@ from . import (
     compute,
     console,
     distributed,
+    divergence,
     errors,
     forkserver,
     heartbeat,
@@ -165,7 +166,7 @@ def preflight(cfg: TrainConfig) -> None:
         if cfg.sync_bn:
             raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")
         if cfg.recipe.amp == "fp16":
-            raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
+            raise UserError(divergence.FP16_NEEDS_CUDA)
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
     # a bad CUBLAS_WORKSPACE_CONFIG is refused now (--bitwise on CUDA runs the deterministic kernels too)
