@@ -189,14 +189,14 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mnist-ddp", description="Train the classic MNIST CNN with DistributedDataParallel.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
-    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint")
-    e.add_argument("checkpoint")
+    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint or a model.safetensors")
+    e.add_argument("checkpoint", help="a checkpoint (checkpoint.pt, best.pt, a bare state_dict) or a safetensors file")
     _data_args(e, "auto")
     e.add_argument("--device", default="auto", choices=DEVICES)
     e.add_argument("--batch-size", type=int, default=default(EvalConfig, "batch_size"))
     pr = sub.add_parser("predict", help="classify images (PNG, JPEG, BMP, GIF; any size), folders of them, "
                         "or IDX files")
-    pr.add_argument("checkpoint")
+    pr.add_argument("checkpoint", help="a checkpoint or a safetensors file, as evaluate takes")
     pr.add_argument("files", nargs="+", metavar="FILE",
                     help="an image, a folder of images, or an IDX file (…-images-idx3-ubyte[.gz])")
     pr.add_argument("--device", default="auto", choices=DEVICES)

@@ -1,5 +1,5 @@
-"""`evaluate` and `predict`: use any ConvNet checkpoint, one process. The command prints what the Python API
-(api.py) returns: an `Evaluation`, and a `Prediction` per image."""
+"""`evaluate` and `predict`: use any ConvNet checkpoint or safetensors file, one process. The command prints what
+the Python API (api.py) returns: an `Evaluation`, and a `Prediction` per image."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, compute, datasets, idx, images
+from . import compute, datasets, idx, images, model_file
 from .batches import ShardedBatches, model_input
 from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
@@ -28,7 +28,7 @@ def _trained_on(ckpt: dict) -> str:
 
 def evaluation(cfg: EvalConfig) -> Evaluation:
     """The checkpoint's test metrics, in the precision and layout it was trained in."""
-    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    model, ckpt = model_file.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
@@ -86,7 +86,7 @@ def read_files(names: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def predictions(cfg: PredictConfig, sources: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Prediction]:
     """The top classes of every image of each (name, (N, 28, 28) uint8 images) source, one by one."""
-    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    model, ckpt = model_file.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     model.to(device).eval()
     classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits

@@ -120,6 +120,8 @@ class Trainer:
         self._save(self.ckpt_path)
         if result.accuracy >= best:
             self._save(self.ckpt_path.with_name("best.pt"))
+            state.save_model(self.ckpt_path.with_name("model.safetensors"), self.t, self.cfg, self.d, self.data.classes,
+                             result.accuracy, result.count)
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
