@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import extras
 from .config import (
     AMP,
     BACKENDS,
@@ -23,6 +24,7 @@ from .config import (
     BenchConfig,
     DataConfig,
     EvalConfig,
+    ExportConfig,
     PredictConfig,
     TrainConfig,
     default,
@@ -201,8 +203,20 @@ def _parser() -> argparse.ArgumentParser:
                     help="an image, a folder of images, or an IDX file (…-images-idx3-ubyte[.gz])")
     pr.add_argument("--device", default="auto", choices=DEVICES)
     pr.add_argument("--top", type=int, default=default(PredictConfig, "top"), help="show the K most likely classes")
+    _export_parser(sub)
     _bench_parser(sub)
     return p
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    x = sub.add_parser("export", help="write a trained model for inference outside PyTorch (ONNX)")
+    x.add_argument("source", metavar="RUN_OR_FILE",
+                   help="a run folder (its model.safetensors) or a model file: a safetensors file or a checkpoint")
+    x.add_argument("--onnx", required=True, metavar="FILE",
+                   help="write an ONNX model here, then check it in onnxruntime against PyTorch (needs the onnx "
+                   "extra: pip install 'mnist-ddp[onnx]')")
+    x.add_argument("--check-images", type=int, default=default(ExportConfig, "check_images"), metavar="N",
+                   help="synthetic digits that onnxruntime and PyTorch must classify alike (default: %(default)s)")
 
 
 QUICK = {"train_samples": 6000, "test_samples": 2000, "epochs": 1, "tutorial_epochs": 1}
@@ -264,7 +278,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     return commands.choices[command]
 
 
-Config = TrainConfig | BenchConfig | EvalConfig | PredictConfig
+Config = TrainConfig | BenchConfig | EvalConfig | PredictConfig | ExportConfig
 
 
 def configure(argv: list[str]) -> Config:
@@ -279,6 +293,8 @@ def configure(argv: list[str]) -> Config:
         return _bench_config(a)
     if a.command == "evaluate":
         return EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size)
+    if a.command == "export":
+        return ExportConfig(a.source, a.onnx, a.check_images)
     return PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
 
 
@@ -303,6 +319,11 @@ def _dispatch(argv: list[str]) -> int:
         from . import bench
 
         return bench.run(cfg)
+    if isinstance(cfg, ExportConfig):
+        extras.require("export --onnx", ("onnx", "onnxscript", "onnxruntime"), "onnx")
+        from . import export
+
+        return export.run(cfg)
     from . import infer
 
     return infer.run_evaluate(cfg) if isinstance(cfg, EvalConfig) else infer.run_predict(cfg)

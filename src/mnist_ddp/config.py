@@ -258,6 +258,19 @@ class PredictConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    """`mnist-ddp export RUN_OR_FILE --onnx FILE`: the model for inference outside PyTorch."""
+
+    source: str  # a run folder (its model.safetensors) or a model file: safetensors or a checkpoint
+    onnx: str  # where the ONNX file goes; never over an existing file
+    check_images: int = 1000  # synthetic digits that onnxruntime and PyTorch must classify alike
+
+    def __post_init__(self) -> None:
+        _check(self.onnx.endswith(".onnx"), f"--onnx {self.onnx}: name the file *.onnx.")
+        _check(self.check_images >= 1, f"--check-images must be at least 1, not {self.check_images}.")
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     """`mnist-ddp bench`: the tutorial's pipeline against ours, side by side, on the same data."""
 
