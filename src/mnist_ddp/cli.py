@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import extras
+from . import extras, tracking
 from .config import (
     AMP,
     BACKENDS,
@@ -178,6 +178,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
     g.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
+    g.add_argument("--mlflow", nargs="?", const="", metavar="URI",
+                   help="also log the run to MLflow: settings, metrics, logged steps, files (needs the mlflow extra); "
+                   "a bare --mlflow logs to $MLFLOW_TRACKING_URI, else ./mlflow.db (default: off)")
     g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
                    help="the train loss (mean over all ranks) and lr every STEPS optimizer steps: steps.jsonl, "
                    "curves.png and TensorBoard")
@@ -269,7 +272,8 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         graph_step=a.graph_step, sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,
-        tensorboard=a.tensorboard, log_every=a.log_every, profile=a.profile, **_given(out=a.out))
+        tensorboard=a.tensorboard, mlflow=tracking.default_uri(os.environ) if a.mlflow == "" else a.mlflow,
+        log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
 def command_parser(command: str) -> argparse.ArgumentParser:

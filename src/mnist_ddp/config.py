@@ -144,6 +144,7 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
+    mlflow: str | None = None  # --mlflow's tracking URI (tracking.py); None: no MLflow
     log_every: int = 20  # optimizer steps between train-loss points (steps.jsonl, curves.png, TensorBoard)
     profile: int | None = None  # --profile: steps to profile in the first epoch (timeline.py); None = off
 

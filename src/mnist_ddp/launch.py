@@ -45,6 +45,7 @@ from . import (
     recovery,
     rendezvous,
     tb,
+    tracking,
     trainer,
 )
 from .config import TrainConfig, run_settings
@@ -173,6 +174,8 @@ def preflight(cfg: TrainConfig) -> None:
     compute.cublas_workspace(cfg.deterministic or cfg.bitwise, "cuda" if cuda else "cpu", os.environ)
     if cfg.tensorboard:  # under a launcher every rank checks: none waits for a rank 0 that refused
         tb.check_installed()
+    if cfg.mlflow is not None:
+        tracking.check_installed(cfg.mlflow)
 
 
 class ErrorPipe:
