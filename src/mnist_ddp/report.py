@@ -8,10 +8,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import atomic, console
+from . import atomic, console, tracking
 from .results import read_jsonl
 from .tb import TensorBoard
-from .tracking import MLflowRun, Tracking
 
 T = TypeVar("T")
 
@@ -21,7 +20,7 @@ class Reporter:
     every --log-every-th step to `<out>/steps.jsonl`, one per step."""
 
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
-                 tensorboard: bool = False, mlflow: Tracking | None = None) -> None:
+                 tensorboard: bool = False, mlflow: tracking.Tracking | None = None) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.mlflow, self.tracker = mlflow, None  # the MLflow run opens in `begin` too
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
@@ -37,7 +36,7 @@ class Reporter:
         if self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
         if self.mlflow is not None:
-            self.tracker = MLflowRun(self.out, self.mlflow, self.say)
+            self.tracker = tracking.MLflowRun(self.out, self.mlflow, self.say)
         if self.steps_path.exists():
             self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
