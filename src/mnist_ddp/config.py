@@ -33,8 +33,14 @@ def _check(ok: bool, message: str) -> None:
 
 
 def timestamped(prefix: str) -> str:
-    """A fresh folder name per run, e.g. runs/20261203-101500: a second run never lands in the first's."""
-    return time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+    """A fresh folder name per run, e.g. runs/20261203-101500, or runs/20261203-101500-2 where that is taken (a
+    notebook's next cell may start a run in the same second): a run never lands in another's folder."""
+    name = candidate = time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+    n = 1
+    while Path(candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
 
 
 @dataclass(frozen=True)
