@@ -60,6 +60,7 @@ def test_a_run_writes_best_pts_weights_and_what_they_need(trained_run: Path) -> 
     assert int(meta["epoch"]) == best["epoch"]
     config = json.loads(meta["config"])
     assert (config["recipe"], config["optimizer"], config["lr"], config["world_size"]) == ("default", "adamw", 3e-3, 1)
+    assert "out" not in config and "data_dir" not in config["data"] and str(trained_run) not in meta["config"]
     ours, our_meta = safetensors_io.read(path)
     assert _same(ours, theirs) and our_meta == meta
 

@@ -19,11 +19,17 @@ from .model import ConvNet
 
 NAME = "model.safetensors"
 FORMAT = "mnist-ddp/model/1"
+# Where the run ran, which a shared model does not tell: its folders, addresses and tracking store.
+LOCAL = ("out", "mlflow", "master_addr", "master_port")
+LOCAL_DATA = ("data_dir", "mirrors")
 
 
 def save(path: Path, state: dict[str, torch.Tensor], config: dict[str, Any], classes: tuple[str, ...],
          accuracy: float, test_count: int, epoch: int) -> None:
-    """Write `state` and its metadata to `path` atomically (`atomic.write`)."""
+    """Write `state` and its metadata to `path` atomically (`atomic.write`); `config`, the run's settings, without
+    where it ran."""
+    config = {k: v for k, v in config.items() if k not in LOCAL}
+    config["data"] = {k: v for k, v in config["data"].items() if k not in LOCAL_DATA}
     normalize = {"mean": MEAN, "std": STD} if config.get("normalize") else None
     metadata = {
         "format": FORMAT,
