@@ -95,6 +95,21 @@ def spawn_gloo(fn: Callable[..., None], world: int, *args: Any) -> None:
     del store
 
 
+TRAINED_TEST_SAMPLES = "200"
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run that knows the digits (~95% on synthetic test images; 800 images would leave it at ~40%), so that
+    an answer can be checked against the true label, not only against another answer; trained once for the
+    modules that only read it (evaluate, predict, model.safetensors, export)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = run_cli("train", *tiny(12000, int(TRAINED_TEST_SAMPLES)), "--out", str(out), cwd=out.parent,
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 @pytest.fixture
 def cli(tmp_path: Path):
     """Run the CLI with the test's temp folder as the working directory."""

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -271,10 +272,17 @@ def test_sync_bn_is_checked_where_a_resume_deals_the_micro_batches(tmp_path: Pat
 
 def test_the_guard_scales_only_fp16() -> None:
     """A GradScaler only where fp16 needs one: every other precision's step is the textbook's, and the
-    divergence guard reads the fold's all-reduced count of non-finite numbers instead."""
+    divergence guard reads the fold's all-reduced count of non-finite numbers instead. Where CUDA is missing
+    (as here: conftest hides it) fp16 is refused in the launcher's sentence, never given the scaler torch
+    disables with its warning "GradScaler is enabled, but CUDA is not available"."""
     cuda = torch.device("cuda", 0)
-    assert divergence.grad_scaler(cuda, "fp16") is not None
-    assert divergence.grad_scaler(cuda, "bf16") is None and divergence.grad_scaler(torch.device("cpu"), "off") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's warning would fail the test
+        assert isinstance(divergence.grad_scaler(torch.device("cpu"), "fp16"), torch.amp.GradScaler)
+        with pytest.raises(UserError, match=re.escape(divergence.FP16_NEEDS_CUDA)):
+            divergence.grad_scaler(cuda, "fp16")
+        assert divergence.grad_scaler(cuda, "bf16") is None
+        assert divergence.grad_scaler(torch.device("cpu"), "off") is None
 
 
 # --- what the reading found right, kept right -----------------------------------------------------------------

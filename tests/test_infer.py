@@ -13,13 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MNIST_T10K, cli_env, metrics, needs_t10k, run_cli, tiny
+from conftest import MNIST_T10K, TRAINED_TEST_SAMPLES, cli_env, metrics, needs_t10k
 from datafiles import ONE_THREAD, one_thread, write_idx
 from mnist_ddp import checkpoint, cli, idx, images, synthetic
 from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.model import ConvNet
-
-TEST_SAMPLES = "200"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,13 +27,8 @@ def _single_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that knows the digits (~95% on synthetic test images; 800 images would leave it at ~40%), so that
-    an answer can be checked against the true label, not only against another answer."""
-    out = tmp_path_factory.mktemp("infer") / "run"
-    r = run_cli("train", *tiny(12000, int(TEST_SAMPLES)), "--out", str(out), cwd=out.parent, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr
-    return out
+def run(trained_run: Path) -> Path:
+    return trained_run
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def _predicted(stdout: str) -> list[int]:
 
 def test_evaluate_matches_the_runs_final_metric(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     final = metrics(run)[-1]
-    code, out, _ = _main(capsys, "evaluate", str(run / "checkpoint.pt"), "--test-samples", TEST_SAMPLES)
+    code, out, _ = _main(capsys, "evaluate", str(run / "checkpoint.pt"), "--test-samples", TRAINED_TEST_SAMPLES)
     assert code == 0
     m = re.search(r"test accuracy ([\d.]+)% \((\d+)/(\d+)\) on synthetic .* test loss ([\d.]+)", out)
     assert m, out

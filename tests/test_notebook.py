@@ -2,7 +2,9 @@
 
 examples/ddp_in_a_notebook.ipynb runs top to bottom, its data made tiny (an override cell after the one
 tagged "parameters", as papermill does): the kernel uses torch and trains in its own process, then launches
-`processes=2`, shows the plots, evaluates, predicts and raises a bad value's sentence. Then, in the same
+`processes=2`, shows the plots, evaluates, predicts and raises a bad value's sentence. It runs twice in one
+folder, each time in a new kernel (Restart & Run All): the second run's runs get fresh folders, and the
+first's are left as they were. Then, in the same
 kernel: "interrupt kernel" (SIGINT to the kernel's process group, what Jupyter sends) during a
 `processes=2` run, and again in the same cell after it; SIGKILL to one worker; an environment variable set
 now; and one more run. /proc says which processes are left, not our code.
@@ -61,6 +63,11 @@ def _text(cell: NotebookNode, stream: str = "stdout") -> str:
 
 def _errors(cell: NotebookNode) -> list[NotebookNode]:
     return [o for o in cell.outputs if o.output_type == "error"]
+
+
+def _assert_no_error_but_the_tagged_one(nb: NotebookNode) -> None:
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or _errors(cell) == [] or "raises-exception" in cell.metadata.tags, cell
 
 
 def _cell(nb: NotebookNode, start: str) -> NotebookNode:
@@ -124,6 +131,13 @@ def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: 
     cli.main(["train", "--epochs", "0"])  # the sentence the command prints for the notebook's bad value
     said = capsys.readouterr().err.strip().removeprefix("mnist-ddp: error: ")
     with reaped(mark):  # and when the kernel has shut down, none of its processes is left
+        # Restart & Run All, twice: a first kernel runs the notebook in the same folder, then the one below.
+        first = _tiny_notebook()
+        NotebookClient(first, timeout=HANG, kernel_name=client.kernel_name,
+                       resources={"metadata": {"path": str(work)}}).execute(env=env)
+        _assert_no_error_but_the_tagged_one(first)
+        runs_before = {p: p.read_bytes() for p in (work / "runs").glob("*/metrics.jsonl")}
+        assert len(runs_before) == 2, runs_before  # the in-kernel run's folder and the DDP run's
 
         async def drive() -> None:
             async with client.async_setup_kernel(env=env):
@@ -131,6 +145,9 @@ def test_the_example_notebook_and_its_kernel_after(tmp_path: Path, monkeypatch: 
                     await client.async_execute_cell(cell, index)
                 kernel = Kernel(client, nb)
                 await _the_notebook(kernel, work, said)
+                # The second Run All ran in two fresh folders, and left the first's as they were.
+                assert {p: p.read_bytes() for p in runs_before} == runs_before
+                assert len(list((work / "runs").glob("*/metrics.jsonl"))) == 4
                 await _interrupted(kernel, work, mark)
                 await _a_worker_killed(kernel, work)
                 await _the_kernels_environment_now(kernel)
@@ -148,8 +165,7 @@ def test_the_notebook_extra_runs_the_example_top_to_bottom(tmp_path: Path, monke
     work.mkdir()
     NotebookClient(nb, timeout=HANG, kernel_name=_kernelspec(tmp_path / "jupyter", bin_ / "python"),
                    resources={"metadata": {"path": str(work)}}).execute(env=env)
-    for cell in nb.cells:
-        assert cell.cell_type != "code" or _errors(cell) == [] or "raises-exception" in cell.metadata.tags, cell
+    _assert_no_error_but_the_tagged_one(nb)
     assert "text/html" in _cell(nb, "run.dataframe()").outputs[0].data
     assert any(WIDGET in o.get("data", {}) for o in _cell(nb, "run = train(processes=2").outputs)
     assert all("image/png" in o.data for o in _cell(nb, "run.show()").outputs)
@@ -158,8 +174,7 @@ def test_the_notebook_extra_runs_the_example_top_to_bottom(tmp_path: Path, monke
 async def _the_notebook(kernel: Kernel, work: Path, said: str) -> None:
     """What the notebook's cells showed: the lines, bars, plots and results; the bad value's one sentence."""
     nb = kernel.nb
-    for cell in nb.cells:
-        assert cell.cell_type != "code" or _errors(cell) == [] or "raises-exception" in cell.metadata.tags, cell
+    _assert_no_error_but_the_tagged_one(nb)
     in_kernel = _text(_cell(nb, "import torch"))
     assert "world size 1" in in_kernel and "final: test accuracy" in in_kernel, in_kernel
     ddp = _cell(nb, "run = train(processes=2")
@@ -175,9 +190,10 @@ async def _the_notebook(kernel: Kernel, work: Path, said: str) -> None:
     assert not any(name in line for line in error.traceback for name in ("cli.py", "config.py")), error.traceback
     # The results as data are the files' (run.metrics: metrics.jsonl), and the kernel's own plots stay inline:
     # training in its process drew its PNGs without switching matplotlib's backend.
-    check = await kernel.run("import json, matplotlib; print(json.dumps(run.metrics)); print(matplotlib.get_backend())")
-    metrics, backend = _text(check).splitlines()
-    assert json.loads(metrics) == [json.loads(line) for line in (work / "runs/nb-ddp/metrics.jsonl").open()]
+    check = await kernel.run("import json, matplotlib; print(json.dumps(run.metrics)); print(matplotlib.get_backend())"
+                             "; print(run.out)")
+    metrics, backend, out = _text(check).splitlines()
+    assert json.loads(metrics) == [json.loads(line) for line in (work / out / "metrics.jsonl").open()]
     assert "inline" in backend, backend
 
 

@@ -24,7 +24,8 @@ from PIL import Image
 
 from conftest import metrics, progress, tiny
 from datafiles import one_thread
-from mnist_ddp import checkpoint, cli, outdir
+from mnist_ddp import checkpoint, cli, config, outdir
+from mnist_ddp.config import TrainConfig
 from mnist_ddp.errors import UserError, WriteFailed
 from mnist_ddp.report import Reporter
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
@@ -90,7 +91,7 @@ def test_second_run_into_a_busy_out_is_refused_and_the_first_finishes(tmp_path: 
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
     assert checkpoint.load(out / "checkpoint.pt")["progress"]["epoch"] == 2
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl",
-                                                     "steps.jsonl"]
+                                                     "model.safetensors", "steps.jsonl"]
 
 
 def test_sigkilled_run_leaves_no_stale_lock(tmp_path: Path) -> None:
@@ -241,3 +242,15 @@ def test_disk_full_mid_run_ends_it_with_one_line_and_exit_1(tmp_path: Path) -> N
             assert metrics(out)[0]["epoch"] == 1  # and every line parses
             assert _temp_files(out) == [], name
             assert not (out / outdir.LOCK).exists(), name
+
+
+def test_the_default_out_is_a_fresh_folder_even_within_one_second(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs started in the same second (a notebook's Run All) get two folders, runs/<date-time>[-N]."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "20261205-101500"))
+    names = []
+    for _ in range(3):
+        names.append(TrainConfig().out)
+        Path(names[-1]).mkdir(parents=True)
+    assert names == ["runs/20261205-101500", "runs/20261205-101500-2", "runs/20261205-101500-3"]

@@ -230,7 +230,7 @@ def test_a_checkpoint_from_before_the_global_batch_counts_one_micro_batch_per_pr
     path = _old_run(killed_mid_epoch, tmp_path / "C", "before the global batch")
     r = run_cli(*_train(path.parent, *EVERY, "--resume", "-g", "2"), cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
-    assert ("resume: world size 1 → 2; the run's global batch stays 100 (1 micro-batches of 100)" in r.stdout
+    assert ("resume: world size 1 → 2; the run's global batch stays 100 (1 micro-batch of 100)" in r.stdout
             and "epoch 2, 300 of its 800 samples done" in r.stdout), r.stdout
     assert [m["global_batch"] for m in metrics(path.parent)] == [100, 100]
 

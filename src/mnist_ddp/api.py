@@ -99,7 +99,8 @@ def _handlers_kept() -> Iterator[None]:
 @_user_facing
 def train(**options: Any) -> Run:
     """Train the ConvNet as `mnist-ddp train` does, and return the run: `Run.accuracy`, `.metrics` and `.steps`
-    (metrics.jsonl and steps.jsonl), `.checkpoint`, `.best`, `.plots`; `.dataframe()`, `.show()`.
+    (metrics.jsonl and steps.jsonl), `.checkpoint`, `.best`, `.model` (model.safetensors), `.plots`;
+    `.dataframe()`, `.show()`.
 
     Bad values raise `mnist_ddp.UserError`, and so does a failed worker (naming its rank). Ctrl-C, or a
     notebook's "interrupt kernel", stops every process and raises KeyboardInterrupt; the checkpoint stays."""

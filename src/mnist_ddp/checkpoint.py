@@ -146,8 +146,13 @@ def _verify(path: Path, obj: dict[str, Any]) -> None:
         raise UserError(f"{path}: damaged: a checkpoint of format {obj.get('format')} without the digest it was saved "
                         f"with, so nothing proves it whole.")
     if _digest_of(obj, path) != saved:
-        raise UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, "
-                        f"an interrupted copy or a failing disk); use an intact copy.")
+        raise changed(path)
+
+
+def changed(path: Path) -> UserError:
+    """The refusal of a file whose contents no longer match the digest it was saved with."""
+    return UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, an "
+                     f"interrupted copy or a failing disk); use an intact copy.")
 
 
 def _digest_of(obj: Any, name: str | Path) -> str:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import extras, tracking
 from .config import (
     AMP,
     BACKENDS,
@@ -23,6 +24,7 @@ from .config import (
     BenchConfig,
     DataConfig,
     EvalConfig,
+    ExportConfig,
     PredictConfig,
     TrainConfig,
     default,
@@ -176,6 +178,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-plots", dest="plots", action="store_false", help="no curves.png / confusion.png")
     g.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to <out>/tb/ (needs the tensorboard package)")
+    g.add_argument("--mlflow", nargs="?", const="", metavar="URI",
+                   help="also log the run to MLflow: settings, metrics, logged steps, files (needs the mlflow extra); "
+                   "a bare --mlflow logs to $MLFLOW_TRACKING_URI, else ./mlflow.db (default: off)")
     g.add_argument("--log-every", type=int, default=default(TrainConfig, "log_every"), metavar="STEPS",
                    help="the train loss (mean over all ranks) and lr every STEPS optimizer steps: steps.jsonl, "
                    "curves.png and TensorBoard")
@@ -189,20 +194,32 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mnist-ddp", description="Train the classic MNIST CNN with DistributedDataParallel.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
-    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint")
-    e.add_argument("checkpoint")
+    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint or a model.safetensors")
+    e.add_argument("checkpoint", help="a checkpoint (checkpoint.pt, best.pt, a bare state_dict) or a safetensors file")
     _data_args(e, "auto")
     e.add_argument("--device", default="auto", choices=DEVICES)
     e.add_argument("--batch-size", type=int, default=default(EvalConfig, "batch_size"))
     pr = sub.add_parser("predict", help="classify images (PNG, JPEG, BMP, GIF; any size), folders of them, "
                         "or IDX files")
-    pr.add_argument("checkpoint")
+    pr.add_argument("checkpoint", help="a checkpoint or a safetensors file, as evaluate takes")
     pr.add_argument("files", nargs="+", metavar="FILE",
                     help="an image, a folder of images, or an IDX file (…-images-idx3-ubyte[.gz])")
     pr.add_argument("--device", default="auto", choices=DEVICES)
     pr.add_argument("--top", type=int, default=default(PredictConfig, "top"), help="show the K most likely classes")
+    _export_parser(sub)
     _bench_parser(sub)
     return p
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    x = sub.add_parser("export", help="write a trained model for inference outside PyTorch (ONNX)")
+    x.add_argument("source", metavar="RUN_OR_FILE",
+                   help="a run folder (its model.safetensors) or a model file: a safetensors file or a checkpoint")
+    x.add_argument("--onnx", required=True, metavar="FILE",
+                   help="write an ONNX model here, then check it in onnxruntime against PyTorch (needs the onnx "
+                   "extra: pip install 'mnist-ddp[onnx]')")
+    x.add_argument("--check-images", type=int, default=default(ExportConfig, "check_images"), metavar="N",
+                   help="synthetic digits that onnxruntime and PyTorch must classify alike (default: %(default)s)")
 
 
 QUICK = {"train_samples": 6000, "test_samples": 2000, "epochs": 1, "tutorial_epochs": 1}
@@ -255,7 +272,8 @@ def _train_config(a: argparse.Namespace) -> TrainConfig:
         accumulate=a.accumulate, eval_batch_size=a.eval_batch_size, channels_last=a.channels_last, compile=a.compile,
         graph_step=a.graph_step, sync_bn=a.sync_bn, deterministic=a.deterministic, bitwise=a.bitwise, resume=a.resume,
         checkpoint_every=a.checkpoint_every, target_accuracy=a.target_accuracy, progress=a.progress, plots=a.plots,
-        tensorboard=a.tensorboard, log_every=a.log_every, profile=a.profile, **_given(out=a.out))
+        tensorboard=a.tensorboard, mlflow=tracking.default_uri(os.environ) if a.mlflow == "" else a.mlflow,
+        log_every=a.log_every, profile=a.profile, **_given(out=a.out))
 
 
 def command_parser(command: str) -> argparse.ArgumentParser:
@@ -264,7 +282,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     return commands.choices[command]
 
 
-Config = TrainConfig | BenchConfig | EvalConfig | PredictConfig
+Config = TrainConfig | BenchConfig | EvalConfig | PredictConfig | ExportConfig
 
 
 def configure(argv: list[str]) -> Config:
@@ -279,6 +297,8 @@ def configure(argv: list[str]) -> Config:
         return _bench_config(a)
     if a.command == "evaluate":
         return EvalConfig(a.checkpoint, _data_config(a), a.device, a.batch_size)
+    if a.command == "export":
+        return ExportConfig(a.source, a.onnx, a.check_images)
     return PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
 
 
@@ -303,6 +323,11 @@ def _dispatch(argv: list[str]) -> int:
         from . import bench
 
         return bench.run(cfg)
+    if isinstance(cfg, ExportConfig):
+        extras.require("export --onnx", ("onnx", "onnxscript", "onnxruntime"), "onnx")
+        from . import export
+
+        return export.run(cfg)
     from . import infer
 
     return infer.run_evaluate(cfg) if isinstance(cfg, EvalConfig) else infer.run_predict(cfg)

@@ -33,8 +33,14 @@ def _check(ok: bool, message: str) -> None:
 
 
 def timestamped(prefix: str) -> str:
-    """A fresh folder name per run, e.g. runs/20261203-101500: a second run never lands in the first's."""
-    return time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+    """A fresh folder name per run, e.g. runs/20261203-101500, or runs/20261203-101500-2 where that is taken (a
+    notebook's next cell may start a run in the same second): a run never lands in another's folder."""
+    name = candidate = time.strftime(f"{prefix}%Y%m%d-%H%M%S")
+    n = 1
+    while Path(candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class TrainConfig:
     progress: bool = True
     plots: bool = True
     tensorboard: bool = False  # opt-in: event files in <out>/tb/ (README says why)
+    mlflow: str | None = None  # --mlflow's tracking URI (tracking.py); None: no MLflow
     log_every: int = 20  # optimizer steps between train-loss points (steps.jsonl, curves.png, TensorBoard)
     profile: int | None = None  # --profile: steps to profile in the first epoch (timeline.py); None = off
 
@@ -255,6 +262,19 @@ class PredictConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.top <= 10, "--top must be between 1 and 10.")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """`mnist-ddp export RUN_OR_FILE --onnx FILE`: the model for inference outside PyTorch."""
+
+    source: str  # a run folder (its model.safetensors) or a model file: safetensors or a checkpoint
+    onnx: str  # where the ONNX file goes; never over an existing file
+    check_images: int = 1000  # synthetic digits that onnxruntime and PyTorch must classify alike
+
+    def __post_init__(self) -> None:
+        _check(self.onnx.endswith(".onnx"), f"--onnx {self.onnx}: name the file *.onnx.")
+        _check(self.check_images >= 1, f"--check-images must be at least 1, not {self.check_images}.")
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ SYNTHETIC_SEEDS = {"train": 20_240_601, "test": 20_240_602}  # fixed: the data, 
 
 
 class DataNotFound(UserError):
-    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt); `why`, the short reason,
-    goes into the line `--dataset auto` prints when it falls back to the synthetic digits."""
+    """The dataset is nowhere to be found or fetched (as opposed to found but corrupt); `failed`, what failed in a
+    few words, goes into the line `--dataset auto` prints when it falls back to the synthetic digits."""
 
-    def __init__(self, source: "Source", dirs: list[Path], why: str) -> None:
+    def __init__(self, source: "Source", dirs: list[Path], why: str, failed: str) -> None:
         super().__init__(
             f"{source.name} was not found in {', '.join(map(str, dirs))}, and {why}. "
             f"Put the four IDX files ({', '.join(SPLIT_FILES.values())}, plain or .gz) in a folder "
             f"and pass --data-dir FOLDER, or train on the built-in digits with --dataset synthetic."
         )
-        self.why = why
+        self.failed = failed
 
 
 @dataclass(frozen=True)
@@ -162,12 +162,12 @@ def _load_source(source: Source, req: DataConfig) -> Dataset:
             break
     else:
         if not req.download:
-            raise DataNotFound(source, dirs, "downloads are off (--no-download)")
+            raise DataNotFound(source, dirs, "downloads are off (--no-download)", "downloads are off")
         target = req.data_dir or Path("data") / source.name
         try:
             files = _download(source, target, req.splits, req.mirrors, req.download_timeout)
         except (DownloadError, OSError) as e:
-            raise DataNotFound(source, dirs, f"the download failed: {e}") from e
+            raise DataNotFound(source, dirs, f"the download failed: {e}", "its download failed") from e
         where = f"{target} (downloaded)"
     train = _read_split(files, "train", req.train_samples) if "train" in req.splits else EMPTY
     test = _read_split(files, "test", req.test_samples)
@@ -200,6 +200,7 @@ def load(req: DataConfig) -> Dataset:
             return _load_source(SOURCES["mnist"], req)
         except DataNotFound as e:  # a corrupt MNIST is still an error, never a silent fallback
             fallback = _synthetic(req)
-            return Dataset(fallback.name, f"{fallback.where}; --dataset auto fell back to the built-in digits because "
-                           f"MNIST was not found here and {e.why}", fallback.classes, fallback.train, fallback.test)
+            return Dataset(fallback.name, f"{fallback.where}: MNIST is not here and {e.failed}, so --dataset auto "
+                           f"fell back to the built-in digits; to train on MNIST, put its four IDX files in a folder "
+                           f"and pass --data-dir FOLDER", fallback.classes, fallback.train, fallback.test)
     return _load_source(SOURCES[req.dataset], req)

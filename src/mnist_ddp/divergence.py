@@ -29,6 +29,14 @@ def check(finite: bool, scaler: torch.amp.GradScaler | None, epoch: int, step: i
                    f"start again with a smaller --lr (e.g. {peak / 10:.4g}) in a new --out.")
 
 
+FP16_NEEDS_CUDA = "--amp fp16 needs CUDA; use --amp bf16 without a GPU."
+
+
 def grad_scaler(device: torch.device, amp: str) -> torch.amp.GradScaler | None:
-    """fp16's loss scaler (None in any other precision: no scaling is needed there)."""
-    return torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    """fp16's loss scaler (None in any other precision: no scaling is needed there). Never one that torch
+    would disable, with a warning, for want of CUDA: fp16 without loss scaling would underflow unseen."""
+    if amp != "fp16":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(FP16_NEEDS_CUDA)
+    return torch.amp.GradScaler(device.type)

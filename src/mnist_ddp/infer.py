@@ -1,5 +1,5 @@
-"""`evaluate` and `predict`: use any ConvNet checkpoint, one process. The command prints what the Python API
-(api.py) returns: an `Evaluation`, and a `Prediction` per image."""
+"""`evaluate` and `predict`: use any ConvNet checkpoint or safetensors file, one process. The command prints what
+the Python API (api.py) returns: an `Evaluation`, and a `Prediction` per image."""
 
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, compute, datasets, idx, images
+from . import compute, datasets, idx, images, model_file
 from .batches import ShardedBatches, model_input
 from .config import EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
@@ -16,21 +16,26 @@ from .evaluation import evaluate
 from .results import Evaluation, Prediction
 
 
-def _normalizes(ckpt: dict) -> bool:
+def normalizes(ckpt: dict) -> bool:
     """Whether the checkpoint's model was trained on normalised pixels (the tutorial's was not)."""
     return bool(ckpt.get("config", {}).get("normalize", False))
 
 
-def _trained_on(ckpt: dict) -> str:
+def trained_on(ckpt: dict) -> str:
     """The --dataset the checkpoint was trained with; a bare state_dict says nothing, so mnist."""
     return ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
 
 
+def classes(ckpt: dict) -> tuple[str, ...]:
+    """The names of the model's 10 outputs: its dataset's (synthetic's are digits, as MNIST's)."""
+    return datasets.SOURCES.get(trained_on(ckpt), datasets.SOURCES["mnist"]).classes
+
+
 def evaluation(cfg: EvalConfig) -> Evaluation:
     """The checkpoint's test metrics, in the precision and layout it was trained in."""
-    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    model, ckpt = model_file.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
-    name = _trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
+    name = trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
     # The precision and layout the run evaluated in, so that on the same device this reproduces its test
     # metrics (a bare state_dict says nothing: fp32).
@@ -38,7 +43,7 @@ def evaluation(cfg: EvalConfig) -> Evaluation:
     amp = compute.amp_for(trained.get("amp", "off"), device)
     channels_last = compute.channels_last_for(trained.get("channels_last"), device)
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
-                             shuffle=False, pad=False, normalize=_normalizes(ckpt), channels_last=channels_last)
+                             shuffle=False, pad=False, normalize=normalizes(ckpt), channels_last=channels_last)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
     return Evaluation(result.accuracy, result.correct, result.count, result.loss, data.name, data.where,
@@ -86,17 +91,17 @@ def read_files(names: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def predictions(cfg: PredictConfig, sources: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Prediction]:
     """The top classes of every image of each (name, (N, 28, 28) uint8 images) source, one by one."""
-    model, ckpt = checkpoint.load_model(Path(cfg.checkpoint))
+    model, ckpt = model_file.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     model.to(device).eval()
-    classes = datasets.SOURCES.get(_trained_on(ckpt), datasets.SOURCES["mnist"]).classes  # synthetic: digits
+    names = classes(ckpt)
     for name, batch in sources:
-        x = model_input(batch.to(device), _normalizes(ckpt))
+        x = model_input(batch.to(device), normalizes(ckpt))
         with torch.inference_mode():
             probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
         top = probs.topk(cfg.top, dim=1)
         for i, (p, c) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            yield Prediction(name if len(batch) == 1 else f"{name}[{i}]", [classes[k] for k in c], p)
+            yield Prediction(name if len(batch) == 1 else f"{name}[{i}]", [names[k] for k in c], p)
 
 
 def run_predict(cfg: PredictConfig) -> int:

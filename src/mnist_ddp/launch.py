@@ -36,6 +36,7 @@ from . import (
     compute,
     console,
     distributed,
+    divergence,
     errors,
     forkserver,
     heartbeat,
@@ -44,6 +45,7 @@ from . import (
     recovery,
     rendezvous,
     tb,
+    tracking,
     trainer,
 )
 from .config import TrainConfig, run_settings
@@ -184,13 +186,15 @@ def preflight(cfg: TrainConfig) -> None:
         if cfg.sync_bn:
             raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")
         if cfg.recipe.amp == "fp16":
-            raise UserError("--amp fp16 needs CUDA; use --amp bf16 without a GPU.")
+            raise UserError(divergence.FP16_NEEDS_CUDA)
         if cfg.backend == "nccl":
             raise UserError("--backend nccl needs CUDA GPUs; use gloo (the default) without them.")
     # a bad CUBLAS_WORKSPACE_CONFIG is refused now (--bitwise on CUDA runs the deterministic kernels too)
     compute.cublas_workspace(cfg.deterministic or cfg.bitwise, "cuda" if cuda else "cpu", os.environ)
     if cfg.tensorboard:  # under a launcher every rank checks: none waits for a rank 0 that refused
         tb.check_installed()
+    if cfg.mlflow is not None:
+        tracking.check_installed(cfg.mlflow)
 
 
 class ErrorPipe:

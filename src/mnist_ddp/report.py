@@ -1,5 +1,5 @@
-"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard. Only rank 0 reports:
-the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
+"""What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard, MLflow. Only rank 0
+reports: the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
 import json
 from collections.abc import Iterable, Iterator
@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import atomic, console
+from . import atomic, console, tracking
 from .results import read_jsonl
 from .tb import TensorBoard
 
@@ -20,8 +20,9 @@ class Reporter:
     every --log-every-th step to `<out>/steps.jsonl`, one per step."""
 
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, mlflow: tracking.Tracking | None = None) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
+        self.mlflow, self.tracker = mlflow, None  # the MLflow run opens in `begin` too
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
@@ -34,6 +35,8 @@ class Reporter:
             return
         if self.tensorboard:
             self.tb = TensorBoard(self.out / "tb", step)
+        if self.mlflow is not None:
+            self.tracker = tracking.MLflowRun(self.out, self.mlflow, self.say)
         if self.steps_path.exists():
             self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
@@ -44,13 +47,18 @@ class Reporter:
             return
         self.logged += points
         _write_lines(self.steps_path, [json.dumps(p) for p in self.logged])
+        logged = [(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]}) for p in points]
         if self.tb is not None:
-            for p in points:
-                self.tb.scalars(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]})
+            for step, values in logged:
+                self.tb.scalars(step, values)
+        if self.tracker is not None:
+            self.tracker.scalars(logged)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:  # last: it sends the run's files, model.safetensors among them
+            self.tracker.close()
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -64,7 +72,7 @@ class Reporter:
 
     def taken_over(self, samples: int) -> "Reporter":
         """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay."""
-        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard)
+        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard, self.mlflow)
         new.begin(samples)
         return new
 
@@ -81,7 +89,7 @@ class Reporter:
 
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
         """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
-        TensorBoard."""
+        TensorBoard, MLflow."""
         if not self.enabled:
             return
         before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
@@ -95,6 +103,8 @@ class Reporter:
             self._plot(figure_class, figure)
         if self.tb is not None:
             self.tb.epoch(step, metrics, figure)
+        if self.tracker is not None:
+            self.tracker.epoch(step, metrics)
 
     def history(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []

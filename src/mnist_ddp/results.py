@@ -33,9 +33,9 @@ def _dataframe(rows: list[dict[str, Any]], name: str) -> Any:
 @dataclass(frozen=True)
 class Run:
     """A run's results, as its folder holds them: `metrics` (metrics.jsonl, one dict per epoch), `steps`
-    (steps.jsonl, one per --log-every-th step), the checkpoints and plots there. Under torchrun, srun or
-    mpirun every rank returns one; rank 0 wrote the files, so on another node without a shared file system
-    it is empty."""
+    (steps.jsonl, one per --log-every-th step), the checkpoints, model.safetensors and plots there. Under
+    torchrun, srun or mpirun every rank returns one; rank 0 wrote the files, so on another node without a
+    shared file system it is empty."""
 
     out: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
@@ -44,6 +44,7 @@ class Run:
     best: Path | None = None  # the epoch with the best test accuracy
     plots: dict[str, Path] = field(default_factory=dict)  # of "curves", "confusion", "timeline": those drawn
     config: TrainConfig | None = None  # what ran, when this process ran it
+    model: Path | None = None  # model.safetensors: best.pt's weights, to share (model_file.py)
 
     @classmethod
     def load(cls, out: str | Path, config: TrainConfig | None = None) -> "Run":
@@ -55,7 +56,8 @@ class Run:
 
         metrics, steps = (read_jsonl(p) if (p := found(name)) else [] for name in ("metrics.jsonl", "steps.jsonl"))
         plots = {key: p for key, name in PLOTS.items() if (p := found(name))}
-        return cls(out, metrics, steps, found("checkpoint.pt"), found("best.pt"), plots, config)
+        return cls(out, metrics, steps, found("checkpoint.pt"), found("best.pt"), plots, config,
+                   found("model.safetensors"))
 
     @property
     def accuracy(self) -> float | None:

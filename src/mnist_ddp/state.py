@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, model_file
 from .batches import Share
 from .config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
 from .distributed import Dist
@@ -85,6 +85,17 @@ def save(path: Path, t: Training, cfg: TrainConfig, d: Dist, slots: int, batchno
         **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {}),
         "run_id": d.run_id,  # a torchrun restart of this same job continues it without --resume
     }, keep_previous=keep_previous)
+
+
+def save_model(path: Path, t: Training, cfg: TrainConfig, d: Dist, classes: tuple[str, ...], accuracy: float,
+               test_count: int) -> None:
+    """Rank 0 writes the model to share (model.safetensors: model_file.py), the weights best.pt holds."""
+    if not d.is_main:
+        return
+    d.raise_if_aborted()
+    d.set_phase(f"saving {path.name}")
+    model_file.save(path, checkpoint.plain_module(t.model).state_dict(), cfg.to_dict() | {"world_size": d.world_size},
+                    classes, accuracy, test_count, t.progress.epoch)
 
 
 def check_same_run(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:

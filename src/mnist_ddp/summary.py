@@ -18,17 +18,27 @@ def data_line(data: Dataset) -> str:
             f"from {data.where}")
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """`n` and `noun`, plural (by default `noun` + "s") unless `n` is 1: "1 epoch", "2 epochs"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _global_batch(slots: int, batch: int, how: str = "") -> str:
+    """The run's global batch in words, "200 (2 micro-batches of 100)", and `how` a world shares it."""
+    return f"{slots * batch} ({counted(slots, 'micro-batch', 'micro-batches')} of {batch}{'; ' + how if how else ''})"
+
+
 def run_line(cfg: TrainConfig, d: Dist, share: Share, amp: str, channels_last: bool) -> str:
     """The software, the world, and the run's global batch and how this world shares it."""
     r, bitwise = cfg.recipe, cfg.bitwise
     how = share.describe(r.batch_size)
     pinned = " (pinned by --bitwise: the kernels' sums depend on it)" if bitwise and d.device.type == "cpu" else ""
-    reduced = "bitwise: every micro-batch's gradient summed in slot order" if bitwise else "averaged by all-reduce"
+    reduced = ("gradients bitwise: every micro-batch's gradient summed in slot order" if bitwise
+               else "gradients averaged by all-reduce" if d.world_size > 1 else "one process: no all-reduce")
     return (f"run: torch {torch.__version__}, python {platform.python_version()}, device {d.device.type}, "
             f"world size {d.world_size}, {torch.get_num_threads()} thread(s) per process{pinned}, "
-            f"global batch {share.slots * r.batch_size} ({share.slots} micro-batches of {r.batch_size}"
-            f"{'; ' + how if how else ''}), gradients {reduced}, {r.optimizer} lr {r.lr}, {r.scheduler} "
-            f"schedule, amp {amp}, channels_last {channels_last}")
+            f"global batch {_global_batch(share.slots, r.batch_size, how)}, {reduced}, "
+            f"{r.optimizer} lr {r.lr}, {r.scheduler} schedule, amp {amp}, channels_last {channels_last}")
 
 
 def resume_line(was: int, share: Share, cfg: TrainConfig) -> str:
@@ -37,8 +47,8 @@ def resume_line(was: int, share: Share, cfg: TrainConfig) -> str:
         return ""
     batch = cfg.recipe.batch_size
     how = share.describe(batch)
-    return (f"resume: world size {was} → {share.world}; the run's global batch stays {share.slots * batch} "
-            f"({share.slots} micro-batches of {batch}), and so do its steps and the lr at each"
+    return (f"resume: world size {was} → {share.world}; the run's global batch stays "
+            f"{_global_batch(share.slots, batch)}, and so do its steps and the lr at each"
             + (f": {how}" if how else ""))
 
 
@@ -54,5 +64,5 @@ def final_line(cfg: TrainConfig, d: Dist, progress: Progress, outcome: str | Non
     if outcome == "reached":
         return f"final: reached the target {target} after epoch {done} of {r.epochs}: {score}, {where}"
     if outcome == "missed":
-        return f"final: did not reach the target {target} in {r.epochs} epochs: {score}, {where}"
-    return f"final: {score} after {r.epochs} epochs, {where}"
+        return f"final: did not reach the target {target} in {counted(r.epochs, 'epoch')}: {score}, {where}"
+    return f"final: {score} after {counted(r.epochs, 'epoch')}, {where}"

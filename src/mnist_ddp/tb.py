@@ -7,22 +7,18 @@ size, and across runs of different global batches (optimizer steps would not).
 pay its import (~0.25 s).
 """
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from . import extras
 
 # The metrics.jsonl keys that also become per-epoch scalars, under "epoch/<key>".
 EPOCH_SCALARS = ("train_loss", "test_loss", "test_accuracy", "lr", "images_per_second")
 
 
 def check_installed() -> None:
-    """Refuse --tensorboard at once, before any process starts, when the package is missing
-    (find_spec looks without importing it)."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                        "(or pip install 'mnist-ddp[tensorboard]').")
+    """Refuse --tensorboard at once, before any process starts, when the package is missing."""
+    extras.require("--tensorboard", ("tensorboard",), "tensorboard")
 
 
 class TensorBoard:

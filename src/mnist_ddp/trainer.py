@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary
+from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary, tracking
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -124,6 +124,8 @@ class Trainer:
         self._save(self.ckpt_path)
         if result.accuracy >= best:
             self._save(self.ckpt_path.with_name("best.pt"))
+            state.save_model(self.ckpt_path.with_name("model.safetensors"), self.t, self.cfg, self.d, self.data.classes,
+                             result.accuracy, result.count)
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
@@ -242,7 +244,8 @@ class Trainer:
 
 def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard)
+    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard,
+                      tracking.for_run(cfg, d.world_size))
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
