@@ -39,6 +39,8 @@ HOMES = {
     ("distributed", "Dist.broadcast"): "its tensors are made on self._wire: the rank's GPU under nccl",
     ("distributed", "Dist.gather"): "its tensors are made on self._wire: the rank's GPU under nccl",
     ("distributed", "Dist.barrier"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
+    ("lesson", "train"): "lesson 0's barrier, the textbook's: on nccl it runs on the GPU the process set (set_device)",
+    ("lesson", "evaluate"): "lesson 0's all_reduce, the textbook's: its counts are made with device=device",
     ("distributed", "teardown"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
     ("reduction", "MeanReduction.reduce"): "DDP's gradient bucket lives on the model's device",
     ("reduction", "gather"): "its rows are made like `like` (new_zeros, new_empty): a gradient bucket or the "

@@ -1,0 +1,42 @@
+"""Lesson 0 (src/mnist_ddp/lesson.py), the tutorial's program fixed, runs as README.md says: two real processes
+over gloo, each essential in play, and the weights rank 0 saves are the model whose accuracy it printed."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from conftest import run_cli
+from mnist_ddp.config import DataConfig
+from mnist_ddp.datasets import Split, load
+from mnist_ddp.lesson import evaluate
+from mnist_ddp.model import ConvNet
+
+
+def test_lesson_0_trains_with_two_processes_and_saves_what_it_printed(tmp_path: Path) -> None:
+    """`python -m mnist_ddp.lesson -g 2` on 800 synthetic digits, 2 epochs, 2 micro-batches a step (no_sync): exit 0,
+    one line per epoch from rank 0 alone, and the saved state_dict loads into a plain ConvNet and scores on the test
+    images exactly the accuracy the last line printed (evaluated here in one process, the lesson's over two ranks)."""
+    out = tmp_path / "lesson.pt"
+    r = run_cli("-g", "2", "--epochs", "2", "--accumulate", "2", "--dataset", "synthetic", "--train-samples", "800",
+                "--test-samples", "200", "--out", str(out), cwd=tmp_path, module="mnist_ddp.lesson", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"], r.stdout
+    printed = float(lines[-1].rsplit(" ", 1)[1].rstrip("%")) / 100
+    model = ConvNet()
+    model.load_state_dict(torch.load(out, weights_only=True))
+    data = load(DataConfig("synthetic", tmp_path / "data", train_samples=800, test_samples=200))
+    accuracy = evaluate_alone(model, data.test)
+    assert abs(accuracy - printed) < 0.00005, (accuracy, printed)
+    assert accuracy > 0.1  # it learned something: above chance on 10 classes
+
+
+def evaluate_alone(model: ConvNet, test: Split) -> float:
+    """The lesson's evaluate in a world of one (a gloo group of one process, so its all_reduce runs)."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        return evaluate(model, test, 0, 1, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
