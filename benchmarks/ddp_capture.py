@@ -67,13 +67,16 @@ def trained(way: str, d: Dist, data: datasets.Dataset, r: object) -> tuple[dict[
             seconds = time.perf_counter() - began
     else:
         step = GraphStep(model, opt, DeviceData(data.train.images, data.train.labels, d.device, True, False), r, d,
-                         seed=0, capture=way == "captured" and d.device.type == "cuda")
+                         capture=way == "captured" and d.device.type == "cuda")
         ready = step.prepare(ddp.wrap(model, d, always=True, stream=step.stream, keep_grads=True), said.append)
         if ready is None:
             return {}, float("nan"), said[-1]
+        batches = ShardedBatches(data.train.images, data.train.labels, r.batch_size, rank=0, world=1,
+                                 device=d.device, shuffle=True, seed=0)
         for epoch in range(EPOCHS):
+            batches.set_epoch(epoch)
             began = time.perf_counter()
-            for s in step.begin_epoch(epoch):
+            for s in step.begin_epoch(epoch, batches.indices()):
                 step.step(s)
             compute.sync(d.device)
             seconds = time.perf_counter() - began

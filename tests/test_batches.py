@@ -6,20 +6,10 @@ import pytest
 import torch
 
 from mnist_ddp import compute
-from mnist_ddp.batches import MEAN, STD, ShardedBatches, shard_indices, shard_size
+from mnist_ddp.batches import MEAN, STD, ShardedBatches
 from mnist_ddp.config import RECIPES
 
 CPU = torch.device("cpu")
-
-
-@pytest.mark.parametrize("pad", [True, False])
-def test_shard_size_is_the_length_of_the_shard(pad: bool) -> None:
-    for n in (1, 2, 3, 7, 10, 11, 100):
-        for world in (1, 2, 3, 4):
-            for rank in range(world):
-                got = shard_size(n, rank, world, pad=pad)
-                want = len(shard_indices(n, rank, world, shuffle=True, seed=1, epoch=0, pad=pad))
-                assert got == want, (n, rank, world)
 
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DistributedSampler
 
 from conftest import progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
@@ -46,6 +47,13 @@ class Double(DeviceData):
         return x.double(), y
 
 
+def _order(epoch: int, d: Dist = ONE) -> torch.Tensor:
+    """The epoch's samples of rank d.rank: DistributedSampler's, as the trainer's ShardedBatches give them."""
+    sampler = DistributedSampler(range(N), num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return torch.tensor(list(sampler))
+
+
 def _model(optimizer: str, dtype: torch.dtype) -> tuple[ConvNet, torch.optim.Optimizer, schedule.Schedule]:
     torch.manual_seed(0)
     model = ConvNet().to(dtype)
@@ -61,7 +69,7 @@ def _graph(optimizer: str, dtype: torch.dtype, d: Dist = ONE, *, late: bool = Fa
     images, labels = _data()
     model, opt, _ = _model(optimizer, dtype)
     data = (Double if dtype == torch.float64 else DeviceData)(images, labels, CPU, True, False)
-    step = GraphStep(model, opt, data, _recipe(optimizer), d, seed=0)
+    step = GraphStep(model, opt, data, _recipe(optimizer), d)
     if late:  # the control: every step's lr and momentum one step late
         hyper = step.hyper
         step.hyper = lambda epoch, s, epochs: hyper(epoch, max(s - 1, 0), epochs)
@@ -77,7 +85,7 @@ def _train_both(optimizer: str, dtype: torch.dtype, *, late: bool = False) -> tu
     losses = []
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)
-        step.begin_epoch(epoch)
+        step.begin_epoch(epoch, batches.indices())
         for s, (x, y) in enumerate(batches):
             set_lr((epoch * N + min(N, s * B)) / (EPOCHS * N))
             losses.append((train_step(model, opt, x.to(dtype), y).float(), (step.step(s), step.loss.clone())[1]))
@@ -146,7 +154,7 @@ def test_a_step_never_reads_the_device(optimizer: str) -> None:
     """Every step of an epoch, the short last one too, under a mode that fails on any host read. The control:
     torch's AdamW without capturable reads its step count with .item(), and the mode catches it."""
     step = _graph(optimizer, torch.float32)
-    step.begin_epoch(0)
+    step.begin_epoch(0, _order(0))
     with NoHostReads():
         for s in range(step.steps_per_epoch):
             step.step(s)
@@ -171,11 +179,11 @@ def test_every_buffer_keeps_its_address() -> None:
     Across an epoch boundary, both step sizes and a new epoch's order and table, nothing moves; parameters and
     gradients are views of the flat buffers. The control: a rebound bias is seen."""
     step = _graph("adamw", torch.float32)
-    step.begin_epoch(0)
+    step.begin_epoch(0, _order(0))
     step.step(0)
     before = _addresses(step)
     for epoch in range(EPOCHS):
-        step.begin_epoch(epoch)
+        step.begin_epoch(epoch, _order(epoch))
         for s in range(step.steps_per_epoch):
             step.step(s)
     assert _addresses(step) == before
@@ -217,7 +225,7 @@ def _ranks(d: Dist, out: str) -> None:
     batches = ShardedBatches(images, labels, B, rank=d.rank, world=WORLD, device=CPU, shuffle=True, seed=0)
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)
-        step.begin_epoch(epoch)
+        step.begin_epoch(epoch, batches.indices())
         for s, (x, y) in enumerate(batches):
             set_lr((epoch * N + min(N, s * B * WORLD)) / (EPOCHS * N))
             train_step(net, opt, x, y)

@@ -3,7 +3,7 @@
 Each rank's BatchNorm normalises its own half-batch, so the single-process reference runs
 the two halves as separate forward passes and averages their gradients, which is what DDP's
 all-reduce computes. Built from the real pieces: ConvNet, `ddp.wrap` (our DDP settings),
-`shard_indices` and `schedule.build_optimizer`.
+DistributedSampler and `schedule.build_optimizer`.
 """
 
 import os
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from conftest import spawn_gloo
 from datafiles import one_thread
 from mnist_ddp import ddp, schedule
-from mnist_ddp.batches import shard_indices
 from mnist_ddp.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
 from mnist_ddp.model import ConvNet
+from test_sharding import sampler_indices
 
 WORLD, HALF, STEPS, N = 2, 16, 6, 2 * 16 * 6 + 5  # n not a multiple of the world: the sampler pads
 CPU = torch.device("cpu")
@@ -38,7 +38,7 @@ def _config(optimizer: str) -> TrainConfig:
 
 def _batch(rank: int, step: int, epoch: int) -> torch.Tensor:
     """Rank `rank`'s sample indices at `step`, exactly as the training loop slices its shard."""
-    shard = shard_indices(N, rank, WORLD, shuffle=True, seed=0, epoch=epoch)
+    shard = sampler_indices(N, rank, WORLD, seed=0, epoch=epoch)
     return shard[step * HALF : (step + 1) * HALF]
 
 

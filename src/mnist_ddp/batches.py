@@ -1,4 +1,4 @@
-"""Batches straight from an in-memory uint8 tensor, sharded by DistributedSampler's rule: one index gather
+"""Batches straight from an in-memory uint8 tensor, sharded by torch's DistributedSampler: one index gather
 per batch, no DataLoader. Training deals the run's M micro-batch slots over the world, so a step's samples are
 the same at any world size (docs/design/slots.md)."""
 
@@ -7,13 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import DistributedSampler
 
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
-
-
-def shard_size(n: int, rank: int, world: int, *, pad: bool = True) -> int:
-    """len(shard_indices(...)) by arithmetic, without drawing the permutation."""
-    return math.ceil(n / world) if pad else len(range(rank, n, world))
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
@@ -32,25 +28,22 @@ def padded(order: torch.Tensor, multiple: int) -> torch.Tensor:
     return order.repeat(math.ceil(total / len(order)))[:total]
 
 
-def shard_indices(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int,
-                  pad: bool = True) -> torch.Tensor:
-    """This rank's sample indices for `epoch`, as DistributedSampler would give them; `pad=False` (evaluation):
-    none repeated or dropped, so shards may differ in length by one and totals count every sample once."""
-    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
-    return (padded(order, world) if pad else order)[rank::world]
-
-
 class ShardedBatches:
-    """One rank's shard of a split, DistributedSampler's rule, in batches normalised on the device: what each
-    rank trains on in the textbook case (one whole micro-batch per rank), and what it evaluates."""
+    """One rank's shard of a split, in batches normalised on the device: what each rank trains on in the textbook
+    case (one whole micro-batch per rank), and what it evaluates. The data stays one tensor on the device; torch's
+    own DistributedSampler decides which of its samples this rank trains each epoch."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int, world: int,
                  device: torch.device, shuffle: bool, seed: int = 0, pad: bool = True, normalize: bool = True,
                  channels_last: bool = False) -> None:
         self.data = DeviceData(images, labels, device, normalize, channels_last)
         self.batch_size, self.rank, self.world = batch_size, rank, world
-        self.shuffle, self.seed, self.pad = shuffle, seed, pad
-        self.epoch, self.first = 0, 0
+        n = len(labels)
+        # Training: every world-th index of a permutation seeded by seed + epoch, padded to a multiple of the world.
+        # Evaluation (`pad=False`): every world-th sample, none repeated, so totals count each sample once.
+        self.sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed) \
+            if pad else range(rank, n, world)
+        self.first = 0
 
     @property
     def global_batch(self) -> int:
@@ -58,16 +51,17 @@ class ShardedBatches:
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(shard_size(len(self.data.labels), self.rank, self.world, pad=self.pad) / self.batch_size)
+        return math.ceil(len(self.sampler) / self.batch_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for `epoch` (the call the tutorial forgot: without it every epoch repeats the first's
         order), leaving out the first `start` samples of the epoch (all ranks'), trained on before a resume."""
-        self.epoch, self.first = epoch, start // self.global_batch
+        self.sampler.set_epoch(epoch)
+        self.first = start // self.global_batch
 
     def indices(self) -> torch.Tensor:
-        return shard_indices(len(self.data.labels), self.rank, self.world, shuffle=self.shuffle,
-                             seed=self.seed, epoch=self.epoch, pad=self.pad)
+        """This rank's samples of the epoch, in order."""
+        return torch.tensor(list(self.sampler), dtype=torch.long)
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.first
@@ -167,7 +161,7 @@ class StepBatches:
     @property
     def steps_per_epoch(self) -> int:
         """ceil(slot length / batch): the same at any world size."""
-        return math.ceil(shard_size(len(self.data.labels), 0, self.share.slots) / self.batch_size)
+        return math.ceil(math.ceil(len(self.data.labels) / self.share.slots) / self.batch_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out the

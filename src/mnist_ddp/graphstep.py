@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import compute, flatopt, schedule
-from .batches import DeviceData, ShardedBatches, StepBatches, shard_indices
+from .batches import DeviceData, ShardedBatches, StepBatches
 from .compute import autocast
 from .config import Recipe, TrainConfig
 from .distributed import Dist
@@ -57,7 +57,7 @@ def choose(cfg: TrainConfig, d: Dist, t: Training, batches: ShardedBatches | Ste
         if cfg.graph_step == "on" or d.device.type == "cuda":
             say(f"step: eager DDP ({why})")
         return None
-    return GraphStep(t.model, t.opt, batches.data, cfg.recipe, d, seed=cfg.seed, amp=amp,
+    return GraphStep(t.model, t.opt, batches.data, cfg.recipe, d, amp=amp,
                      capture=d.device.type == "cuda", timeout_s=cfg.timeout)
 
 
@@ -71,8 +71,8 @@ class GraphStep:
     a device tensor, the loss in a device buffer; `step` queues one step and reads nothing back."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, data: DeviceData, recipe: Recipe, d: Dist, *,
-                 seed: int, amp: str = "off", capture: bool = False, timeout_s: float = 1800.0) -> None:
-        self.model, self.opt, self.data, self.r, self.d, self.seed, self.amp = model, opt, data, recipe, d, seed, amp
+                 amp: str = "off", capture: bool = False, timeout_s: float = 1800.0) -> None:
+        self.model, self.opt, self.data, self.r, self.d, self.amp = model, opt, data, recipe, d, amp
         self.net = model  # what a step runs: `prepare` puts the model under DDP there
         self.n, self.batch_size = len(data.labels), recipe.batch_size
         first = next(model.parameters())
@@ -114,11 +114,10 @@ class GraphStep:
         say(f"step: {how} ({ddp})")
         return self
 
-    def begin_epoch(self, epoch: int, first: int = 0) -> range:
-        """The epoch's order (this rank's shard, DistributedSampler's rule) and lr table; its step indices from
-        `first` on, for `step`."""
+    def begin_epoch(self, epoch: int, order: torch.Tensor, first: int = 0) -> range:
+        """The epoch's `order` (this rank's samples: ShardedBatches.indices, DistributedSampler's) and lr table into
+        the fixed buffers; its step indices from `first` on, for `step`."""
         self.model.train()
-        order = shard_indices(self.n, self.d.rank, self.d.world_size, shuffle=True, seed=self.seed, epoch=epoch)
         self.order.copy_(self.data.to_device(order))
         table = [self.hyper(epoch, s, self.r.epochs) for s in range(self.steps_per_epoch)]
         self.table.copy_(torch.tensor(table, dtype=torch.float64))  # rounded once, to the parameters' dtype

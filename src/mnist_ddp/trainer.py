@@ -133,7 +133,7 @@ class Trainer:
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
         self.stats.train()
-        steps = self.graph.begin_epoch(epoch, batches.first) if self.graph else batches  # the graph's: indices
+        steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first) if self.graph else batches
         for batch in self.report.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
             if self.snapshots:  # --recover: a replacement may join here; the state this step starts from
