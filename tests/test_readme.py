@@ -3,7 +3,8 @@
 Every relative link in README.md and docs/ must lead to a file that exists (and, for a link into a Markdown
 file, to a heading there); every link to a line of a .py file (`file.py#L42`) must land on the `def` or
 `class` of the symbol its label names in backticks, e.g. [`distributed.join`](src/mnist_ddp/distributed.py#L42)
-must point at `def join`. So a commit that moves code without moving the README's links fails here.
+must point at `def join`, and a label that is code, e.g. [`DDP(model, device_ids=…)`](src/mnist_ddp/ddp.py#L30),
+on a line holding that code up to its first `…`. So a commit that moves code without moving the links fails here.
 """
 
 import re
@@ -19,6 +20,7 @@ MAX_README_LINES = 300
 # [label](target) and ![alt](target); the label may hold one level of brackets, the target no spaces.
 LINK = re.compile(r"!?\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 LINE_ANCHOR = re.compile(r"L(\d+)(?:-L\d+)?")
+IDENTIFIER = re.compile(r"[A-Za-z_][\w.]*(\(\))?")  # `mod.name` or `mod.name()`: a def or class; else code
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # https:, mailto:, …
 
 
@@ -106,6 +108,11 @@ def test_every_line_link_lands_on_its_symbol() -> None:
         lines = file.read_text().splitlines()
         n = int(line_no.group(1))
         found = lines[n - 1] if 1 <= n <= len(lines) else "(past the end of the file)"
+        if not IDENTIFIER.fullmatch(symbol.group(1)):  # code: the line holds it, up to its first …
+            code = symbol.group(1).split("…")[0]
+            if code not in found:
+                wrong.append(f"{where}: line {n} is {found.strip()!r}, which does not hold {code!r}")
+            continue
         defines = re.compile(rf"\s*(?:async\s+)?(?:def|class)\s+{re.escape(name)}\b")
         if not defines.match(found):
             defined = ", ".join(str(i) for i, line in enumerate(lines, 1) if defines.match(line))
@@ -122,5 +129,7 @@ def test_the_checks_themselves() -> None:
     assert slug("`scaling.py`: how it scales") == "scalingpy-how-it-scales"
     assert slug("Start-up (`startup.py`)") == "start-up-startuppy"
     assert slug("Where DDP lives") == "where-ddp-lives"
+    assert IDENTIFIER.fullmatch("distributed.join") and IDENTIFIER.fullmatch("steps.train_step()")
+    assert not IDENTIFIER.fullmatch("DDP(model, device_ids=…)") and not IDENTIFIER.fullmatch("if rank == 0:")
     to_code = [t for label, t in links(README) if t.partition("#")[0].endswith(".py") and "#L" in t]
     assert len(to_code) >= 6, f"README.md's map of the DDP essentials links to {len(to_code)} lines of code"

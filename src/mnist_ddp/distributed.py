@@ -242,61 +242,86 @@ def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s:
 
 def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, creds: Credentials,
          device: torch.device) -> tuple[Heartbeat | None, membership.Entry]:
-    """Join the job's process group: the store, check in (membership.py: every rank proven one of the job's),
-    start beating (heartbeat.py), wait for every rank, `init_process_group` (a replacement: the running job's
-    generation). Returns the heartbeat (None: off) and the admission. Any failure is one sentence that says who
-    or what was missing."""
+    """Join the job's process group, once per rank. Returns the heartbeat (None: off) and the admission; any failure
+    is one sentence that says who or what was missing."""
     os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
     if backend == "nccl":
         os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
-    deadline = time.monotonic() + timeout.total_seconds()
-    beat = None
-    try:
-        store = rendezvous.joined_store(ident, timeout)
-        entry = membership.check_in(store, ident, creds, deadline)
-        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
-            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-            beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
-                             store_host=0 if ident.store_host == "rank0" else None)
-        membership.wait_for_all(store, ident, creds, entry, deadline)
-        if where := membership.placement(store, creds, entry):
-            entry = replace(entry, placed=where)
-            if beat:
-                beat.stop("joined the running job's generation", culprit=False)
-                beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
-                                 len(where.members), heartbeat_s, store_host=None)
-            store = dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
-        form_group(backend, store, where.rank if where else ident.rank, len(where.members) if where else
-                   ident.world_size, timeout, device)
-        if beat:
-            beat.set_phase("setting up (data, model, checkpoint)")
-        return beat, entry
-    except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and DistNetworkError are RuntimeErrors
-        who = beat.diagnose() if beat else ""
-        if beat:
-            beat.stop(LOST_CONTACT, culprit=False)
-        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
-            raise UserError(_shared_gpu(ident, device)) from e
-        others = ident.world_size - 1
-        raise UserError(
-            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
-            f"{ident.master_addr}:{ident.master_port} within {timeout.total_seconds():g} s "
-            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
-            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
-            f"names the network interface gloo should use)."
-        ) from e
-    except BaseException:  # interrupted: leave no thread talking to the store while the interpreter exits
-        if beat:
-            beat.stop("interrupted", culprit=False)
-        raise
+    joining = _Joining(ident, device, timeout)
+    with joining:
+        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
+        rank, world, store = joining.admit(store, creds, heartbeat_s)  # trust, heartbeat: a reader may skip it
+        form_group(backend, store, rank, world, timeout, device)
+    return joining.beat, joining.entry
 
 
 def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: timedelta,
                device: torch.device) -> None:
-    """`init_process_group` over `store`, where every rank is known to be in (also a re-formed group: recovery.py)."""
-    # nccl: device_id makes the communicator now, inside the callers' clear errors, and binds barrier() to the GPU.
+    """The textbook call: this process becomes rank `rank` of `world` (also a re-formed group: recovery.py)."""
+    # Every rank meets at the master's address and port: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT,
+    # else the launcher's rendezvous (identity.py). init_process_group(init_method="env://") would open the TCPStore
+    # there itself; `join` opens it first, so that each rank proves it is one of the job's (membership.py) and starts
+    # its heartbeat before the group forms, then hands it over. nccl: device_id makes the communicator now, on its GPU.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             **({"device_id": device} if backend == "nccl" else {}))
+
+
+class _Joining:
+    """`join`'s extras, which a reader of the textbook can skip: the check-in that proves a rank is one of the job's,
+    the heartbeat, a replacement's place in a running job; and every failure of joining turned into one sentence."""
+
+    def __init__(self, ident: Identity, device: torch.device, timeout: timedelta) -> None:
+        self.ident, self.device, self.timeout = ident, device, timeout
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.beat: Heartbeat | None = None
+        self.entry: membership.Entry | None = None
+
+    def admit(self, store: dist.Store, creds: Credentials, heartbeat_s: float) -> tuple[int, int, dist.Store]:
+        """Check in, start beating, wait for every rank; this rank's place: its rank, the world and the store to form
+        the group on (a replacement: the running job's generation)."""
+        ident = self.ident
+        self.entry = membership.check_in(store, ident, creds, self.deadline)
+        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
+            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
+            self.beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
+                                  store_host=0 if ident.store_host == "rank0" else None)
+        membership.wait_for_all(store, ident, creds, self.entry, self.deadline)
+        where = membership.placement(store, creds, self.entry)
+        if not where:
+            return ident.rank, ident.world_size, store
+        self.entry = replace(self.entry, placed=where)
+        if self.beat:
+            self.beat.stop("joined the running job's generation", culprit=False)
+            self.beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
+                                  len(where.members), heartbeat_s, store_host=None)
+        return where.rank, len(where.members), dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
+
+    def __enter__(self) -> "_Joining":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        beat, ident = self.beat, self.ident
+        if e is None:
+            if beat:
+                beat.set_phase("setting up (data, model, checkpoint)")
+            return
+        if not isinstance(e, RuntimeError | ValueError | OSError):  # interrupted: leave no thread talking to the store
+            if beat:
+                beat.stop("interrupted", culprit=False)
+            return
+        who = beat.diagnose() if beat else ""  # DistStoreError and DistNetworkError are RuntimeErrors
+        if beat:
+            beat.stop(LOST_CONTACT, culprit=False)
+        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
+            raise UserError(_shared_gpu(ident, self.device)) from e
+        others = ident.world_size - 1
+        raise UserError(
+            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
+            f"{ident.master_addr}:{ident.master_port} within {self.timeout.total_seconds():g} s "
+            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
+            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
+            f"names the network interface gloo should use)."
+        ) from e
 
 
 def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
