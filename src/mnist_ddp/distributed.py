@@ -259,7 +259,7 @@ def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: 
                device: torch.device) -> None:
     """The textbook call: this process becomes rank `rank` of `world` (also a re-formed group: recovery.py)."""
     # Every rank meets at the master's address and port: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT,
-    # else the launcher's rendezvous (identity.py). init_process_group(init_method="env://") would open the TCPStore
+    # else the launcher's rendezvous (identity.py). With init_method="env://" the call below would open the TCPStore
     # there itself; `join` opens it first, so that each rank proves it is one of the job's (membership.py) and starts
     # its heartbeat before the group forms, then hands it over. nccl: device_id makes the communicator now, on its GPU.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
@@ -342,24 +342,15 @@ def is_peer_failure(e: BaseException) -> bool:
 
 
 def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
-    """Leave the process group; called once, from a `finally` (and by recovery.py before it re-forms), so also after
-    an error. Returns whether it closed.
-
-    `together` (after success only): first wait for every rank, so that none closes its connections while
-    another is still finishing (rank 0 writes the last checkpoint); a rank that left early made its
-    peers' gloo threads abort now and then ("terminate called without an active exception").
-    Not `together` (an error, or told to stop): a peer may be gone while the group's threads still wait on it,
-    up to --timeout, and closing the group joins them. So it gets `leave_s`; False: it is still closing, and the
-    caller must end the process with os._exit (the interpreter's own exit would join those threads too).
-    """
+    """Leave the process group: `destroy_process_group`, called once from `launch.run_worker`'s `finally` (and by
+    recovery.py before it re-forms), so also after an error. `together` (after success): every rank waits for the
+    others first. After an error a dead peer may hold the group's threads: closing gets `leave_s`, and False means it
+    is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""
     if not (dist.is_available() and dist.is_initialized()):
         return True
     if together:
         dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
-    # The DDP wrapper sits in reference cycles and holds the process group; collect it now, so the
-    # group's gloo threads are stopped here rather than by destructors while the interpreter exits
-    # (where a still-running thread aborts the process: "terminate called without an active exception").
-    gc.collect()
+    gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
     if together:
         dist.destroy_process_group()
         return True

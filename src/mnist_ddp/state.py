@@ -14,6 +14,7 @@ from .batches import Share
 from .config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
 from .distributed import Dist
 from .errors import UserError
+from .evaluation import EvalResult
 
 
 @dataclass
@@ -67,15 +68,15 @@ class Resumed:
     world_was: int
 
 
-def save(path: Path, t: Training, cfg: TrainConfig, d: Dist, slots: int, batchnorm_parts: torch.Tensor | None,
-         keep_previous: bool) -> None:
-    """Rank 0 writes the checkpoint (keeping the one before it as checkpoint.prev.pt where `keep_previous`)."""
-    if not d.is_main:
-        return
+def save(out: Path, t: Training, cfg: TrainConfig, d: Dist, slots: int, batchnorm_parts: torch.Tensor | None,
+         best: EvalResult | None = None, classes: tuple[str, ...] = ()) -> None:
+    """Write the run's checkpoint (the one before it kept as checkpoint.prev.pt), and where this epoch's result is
+    the `best` so far, best.pt and model.safetensors (model_file.py). Rank 0 alone calls it (Trainer._save)."""
     d.raise_if_aborted()  # numbers made after NCCL aborted its communicator are no checkpoint
-    d.set_phase(f"saving {path.name}")
-    checkpoint.save(path, {
-        "model": checkpoint.plain_module(t.model).state_dict(),
+    d.set_phase("saving checkpoint.pt")
+    weights = checkpoint.plain_module(t.model).state_dict()
+    contents = {
+        "model": weights,
         "optimizer": t.opt.state_dict(),
         "progress": vars(t.progress).copy(),
         "rng": torch.get_rng_state(),
@@ -84,18 +85,12 @@ def save(path: Path, t: Training, cfg: TrainConfig, d: Dist, slots: int, batchno
         "batchnorm_parts": batchnorm_parts,
         **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {}),
         "run_id": d.run_id,  # a torchrun restart of this same job continues it without --resume
-    }, keep_previous=keep_previous)
-
-
-def save_model(path: Path, t: Training, cfg: TrainConfig, d: Dist, classes: tuple[str, ...], accuracy: float,
-               test_count: int) -> None:
-    """Rank 0 writes the model to share (model.safetensors: model_file.py), the weights best.pt holds."""
-    if not d.is_main:
-        return
-    d.raise_if_aborted()
-    d.set_phase(f"saving {path.name}")
-    model_file.save(path, checkpoint.plain_module(t.model).state_dict(), cfg.to_dict() | {"world_size": d.world_size},
-                    classes, accuracy, test_count, t.progress.epoch)
+    }
+    checkpoint.save(out / "checkpoint.pt", contents, keep_previous=True)
+    if best is not None:
+        checkpoint.save(out / "best.pt", contents, keep_previous=False)
+        model_file.save(out / "model.safetensors", weights, contents["config"], classes, best.accuracy, best.count,
+                        t.progress.epoch)
 
 
 def check_same_run(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:

@@ -66,7 +66,9 @@ def accumulate(net: nn.Module, step: Step, stats: "PartStats", reduction: Reduct
     last = len(step.micro_batches) - 1
     weight = reduction.loss_weight(step.samples)
     for i, mb in enumerate(step.micro_batches):
-        held = i < last and hasattr(net, "no_sync")  # no_sync: this backward skips the all-reduce
+        # Every backward but the step's last runs under no_sync: it only adds into .grad, and the last one's
+        # all-reduce carries the sum (one reduction per step). One process has no DDP, so no no_sync.
+        held = i < last and hasattr(net, "no_sync")
         with net.no_sync() if held else nullcontext():
             with stats.use(mb.part), autocast(device, amp), phase("forward"):
                 loss = F.cross_entropy(net(mb.x), mb.y, label_smoothing=label_smoothing, reduction="sum")

@@ -1,6 +1,7 @@
 """The run's sentences: what is about to run, how a resume at another world shares it, and the last word."""
 
 import platform
+from typing import Any
 
 import torch
 
@@ -66,3 +67,18 @@ def final_line(cfg: TrainConfig, d: Dist, progress: Progress, outcome: str | Non
     if outcome == "missed":
         return f"final: did not reach the target {target} in {counted(r.epochs, 'epoch')}: {score}, {where}"
     return f"final: {score} after {counted(r.epochs, 'epoch')}, {where}"
+
+
+def epoch_record(epoch: int, cfg: TrainConfig, d: Dist, p: Progress, result: EvalResult, images_per_second: float,
+                 seconds: float, lr: float, global_batch: int, dataset: str) -> dict[str, Any]:
+    """One finished epoch, as metrics.jsonl records it (and the console's epoch line shows it)."""
+    return {
+        "epoch": epoch + 1, "epochs": cfg.recipe.epochs,
+        "train_loss": p.loss_sum / max(p.seen, 1),
+        "test_loss": result.loss, "test_accuracy": result.accuracy,
+        "test_correct": result.correct, "test_count": result.count,
+        "train_samples": p.seen,  # over all ranks, the sampler's padding included
+        "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": lr,
+        "world_size": d.world_size, "batch_size": cfg.recipe.batch_size, "global_batch": global_batch,
+        "dataset": dataset,
+    }

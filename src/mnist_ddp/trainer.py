@@ -42,7 +42,6 @@ class Trainer:
         self.graph, self.graph_loss = None, torch.zeros((), device=d.device)  # the CUDA graph step: `run` decides
         self.snapshots = Snapshots(self.t, recovery.doomed) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
-        self.ckpt_path = Path(cfg.out) / "checkpoint.pt"
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
         self._deal(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
@@ -118,14 +117,13 @@ class Trainer:
         seconds = self._train_epoch(net, epoch, start)
         result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
         speed = (self.t.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
-        self._record(epoch, result, speed, time.perf_counter() - start)
+        lr = self.t.opt.param_groups[0]["lr"]
+        record = summary.epoch_record(epoch, self.cfg, self.d, self.t.progress, result, speed,
+                                      time.perf_counter() - start, lr, self.train_batches.global_batch, self.data.name)
+        self.report.epoch(record, result.confusion, self.data.classes, self.samples_done)  # a metrics.jsonl line
         best = max(self.t.progress.best_accuracy, result.accuracy)
         self.t.progress = Progress(epoch=epoch + 1, best_accuracy=best)
-        self._save(self.ckpt_path)
-        if result.accuracy >= best:
-            self._save(self.ckpt_path.with_name("best.pt"))
-            state.save_model(self.ckpt_path.with_name("model.safetensors"), self.t, self.cfg, self.d, self.data.classes,
-                             result.accuracy, result.count)
+        self._save(best=result if result.accuracy >= best else None)
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
@@ -150,7 +148,7 @@ class Trainer:
                                             samples))
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
-                self._save(self.ckpt_path)
+                self._save()
                 self.stats.train()
             self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
         self._fold()
@@ -213,27 +211,16 @@ class Trainer:
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
 
-    def _record(self, epoch: int, result: EvalResult, images_per_second: float, seconds: float) -> None:
-        """One line of metrics.jsonl, the console line and the plots (rank 0)."""
-        p, r = self.t.progress, self.cfg.recipe
-        self.report.epoch({
-            "epoch": epoch + 1, "epochs": r.epochs,
-            "train_loss": p.loss_sum / max(p.seen, 1),
-            "test_loss": result.loss, "test_accuracy": result.accuracy,
-            "test_correct": result.correct, "test_count": result.count,
-            "train_samples": p.seen,  # over all ranks, the sampler's padding included
-            "images_per_second": images_per_second, "epoch_seconds": seconds, "lr": self.t.opt.param_groups[0]["lr"],
-            "world_size": self.d.world_size, "batch_size": r.batch_size,
-            "global_batch": self.train_batches.global_batch, "dataset": self.data.name,
-        }, result.confusion, self.data.classes, self.samples_done)
-
-    def _save(self, path: Path) -> None:
-        state.save(path, self.t, self.cfg, self.d, self.share.slots, self.stats.parts,
-                   keep_previous=path == self.ckpt_path)
+    def _save(self, best: EvalResult | None = None) -> None:
+        """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
+        if self.d.rank == 0:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
+            state.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
+                       self.data.classes)
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""
-        resumed = state.resume(self.ckpt_path, self.t, self.cfg, self.d, len(self.data.train.labels), self.report.say)
+        resumed = state.resume(Path(self.cfg.out) / "checkpoint.pt", self.t, self.cfg, self.d,
+                               len(self.data.train.labels), self.report.say)
         if resumed is None:  # none yet: the run starts from scratch (state.resume said so)
             return
         self.report.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
@@ -244,7 +231,9 @@ class Trainer:
 
 def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard,
+    # Rank 0 alone prints, writes metrics and plots (the other ranks' Reporter does nothing) and saves (`_save`), so
+    # the loop needs no `if rank == 0` branches.
+    report = Reporter(Path(cfg.out), d.rank == 0, cfg.progress, cfg.plots, cfg.tensorboard,
                       tracking.for_run(cfg, d.world_size))
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
