@@ -1,7 +1,8 @@
 """--mlflow: a real run, stopped after its first epoch and resumed by two processes, is one MLflow run named after its
 folder, whose numbers, read back through MLflow's own client, are metrics.jsonl's and steps.jsonl's, with the run's
 settings and files; the one process that logged opened no socket off this machine. Without the package the
-flag is refused before anything starts. (Two runs in all: importing mlflow costs each about a second.)"""
+flag is refused before anything starts; a run that fails is FAILED there. (Three runs in all: importing mlflow
+costs each about a second.)"""
 
 import ast
 import ipaddress
@@ -16,6 +17,7 @@ import pytest
 from conftest import cli_env, metrics, run_cli, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import cli, tracking
+from test_stops import DIVERGING
 
 pytest.importorskip("mlflow")  # the dev extra installs the mlflow extra's packages
 from mlflow.tracking import MlflowClient
@@ -129,3 +131,14 @@ def test_a_bare_flag_logs_where_mlflow_itself_would(tmp_path: Path, monkeypatch:
     assert cli.configure(["train"]).mlflow is None
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////srv/runs.db")
     assert cli.configure(["train", "--mlflow"]).mlflow == "sqlite:////srv/runs.db"
+
+
+def test_a_run_that_fails_is_failed_in_mlflow(tmp_path: Path) -> None:
+    """A run that diverges (exit 1, its own line) leaves its MLflow run FAILED, not RUNNING for ever; the control, a
+    run that finishes, is FINISHED (the first test)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    r = run_cli("train", *DIVERGING, "--batch-size", "200", "--mlflow", uri, "--out", str(tmp_path / "run"),
+                cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 1 and "diverged" in r.stderr, r.stderr
+    run_id = json.loads((tmp_path / "run" / tracking.RUN_FILE).read_text())["run_id"]
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"

@@ -54,11 +54,13 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.scalars(logged)
 
-    def close(self) -> None:
+    def close(self, raised: type[BaseException] | None = None) -> None:
+        """The run ends: finished, or stopped by `raised` (an interrupt, an error), which MLflow records as such."""
         if self.tb is not None:
             self.tb.close()
         if self.tracker is not None:  # last: it sends the run's files, model.safetensors among them
-            self.tracker.close()
+            self.tracker.close(None if raised is None else "KILLED" if issubclass(raised, KeyboardInterrupt)
+                               else "FAILED")
 
     def say(self, line: str) -> None:
         if self.enabled:

@@ -131,8 +131,13 @@ class MLflowRun:
         self.scalars([(step, {f"epoch/{key}": value for key, value in metrics.items()
                               if isinstance(value, int | float) and not isinstance(value, bool)})])
 
-    def close(self) -> None:
-        """The run's files, then the run marked finished."""
+    def close(self, stopped: str | None = None) -> None:
+        """The run's files, then the run marked finished; `stopped` ("FAILED", "KILLED"): only marked so, never
+        raising (the run's own error is the one to report)."""
+        if stopped is not None:
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.run_id, stopped)
+            return
         with self._failing("logging the run's files"):
             for name in ARTIFACTS:
                 if (self.out / name).is_file():

@@ -2,6 +2,7 @@
 docs/reading-the-code.md walks through an epoch)."""
 
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -240,7 +241,9 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(summary.data_line(data))
     trainer = Trainer(cfg, d, data, report, recovery)
-    result = trainer.run()
-    trainer.report.close()
+    try:
+        result = trainer.run()
+    finally:  # trainer.report: the one speaking at the end (--recover may have handed it on)
+        trainer.report.close(sys.exc_info()[0])
     trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
     return result.accuracy
