@@ -15,6 +15,7 @@ import re
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 from contextlib import suppress
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import metrics, progress, tiny
+from conftest import cli_env, metrics, progress, tiny
 from mnist_ddp import checkpoint, distributed, identity, rendezvous
 from procfs import (
     children,
@@ -516,3 +517,28 @@ def test_a_rank_reports_its_error_before_it_leaves_the_group(tmp_path: Path) -> 
     mp.spawn(_report_while_joined, args=(store.port, str(out), str(seen)), nprocs=2, join=True)
     del store
     assert sorted(p.read_text() for p in seen.iterdir()) == ["True UserError", "True UserError"]
+
+
+STILL_CLOSING = """
+import atexit, sys
+from mnist_ddp import cli, distributed, launch
+from mnist_ddp.identity import Identity
+distributed.teardown = lambda together: False  # as when a dead peer holds the group's threads past LEAVE_S
+atexit.register(lambda: print("the interpreter's exit ran", flush=True))
+cfg = cli.configure(["train", "--dataset", "synthetic", "--out", sys.argv[1]])
+launch.run_worker(Identity(), cfg, claim_out=True)
+"""
+
+
+def test_a_rank_whose_group_is_still_closing_ends_at_once_with_its_line(tmp_path: Path) -> None:
+    """A rank started by a launcher not ours (torchrun, srun, mpirun) whose process group is still closing after an
+    error ends at once (os._exit: the interpreter's exit would wait on the group's threads, up to --timeout), its
+    error said once, as the command says it, with its exit code. Here --out holds a run: exit 2."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    r = subprocess.run([sys.executable, "-c", STILL_CLOSING, str(out)], env=cli_env(), capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("mnist-ddp: error:") == 1 and "already holds a run" in r.stderr, r.stderr
+    assert "the interpreter's exit ran" not in r.stdout and "Traceback" not in r.stderr

@@ -40,3 +40,11 @@ def evaluate_alone(model: ConvNet, test: Split) -> float:
         return evaluate(model, test, 0, 1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def test_lesson_0_wants_node_0s_address_for_several_nodes(tmp_path: Path) -> None:
+    """The tutorial hard-coded MASTER_ADDR; lesson 0 takes it from the environment, and with several nodes refuses to
+    guess (a node that guessed this machine would wait for a master that is not there)."""
+    r = run_cli("-n", "2", "-nr", "1", "--dataset", "synthetic", cwd=tmp_path, module="mnist_ddp.lesson",
+                timeout=120)  # run_cli's environment has no MASTER_ADDR or MASTER_PORT
+    assert r.returncode != 0 and "set MASTER_ADDR and MASTER_PORT" in r.stderr, r.stderr

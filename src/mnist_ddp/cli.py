@@ -31,7 +31,7 @@ from .config import (
     read_secret,
     recipe,
 )
-from .errors import UserError
+from .errors import UserError, last_word
 
 PROFILE_STEPS = 5  # what a bare --profile profiles
 
@@ -337,12 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit code."""
     try:
         return _dispatch(list(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        print(f"mnist-ddp: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("mnist-ddp: interrupted.", file=sys.stderr)
-        return 130
+    except (UserError, KeyboardInterrupt) as e:
+        line, code = last_word(e)
+        print(line, file=sys.stderr)
+        return code
 
 
 def console() -> None:

@@ -24,6 +24,13 @@ class WriteFailed(UserError):
     exit_code = 1
 
 
+def last_word(e: UserError | KeyboardInterrupt) -> tuple[str, int]:
+    """What the command says on stderr when `e` ends it, and its exit code."""
+    if isinstance(e, KeyboardInterrupt):
+        return "mnist-ddp: interrupted.", 130
+    return f"mnist-ddp: error: {e}", e.exit_code
+
+
 def relay(e: UserError, echo: bool = False) -> bytes:
     """`e` as JSON bytes, for another process of the job to raise again (`relayed`): never a pickled exception,
     which the receiver would have to unpickle. `echo`: it only repeats another process's failure."""

@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
@@ -81,13 +82,14 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
-               report: Callable[[UserError], None] = lambda e: None) -> int:
+               report: Callable[[UserError], None] | None = None) -> int:
     """One rank, start to finish: device, cores, process group, training; the group is always left.
 
     `claim_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
     once (torchrun and srun start all ranks before any of them could look). `report` hears this rank's error
     before it leaves the group: leaving is what makes a peer fail next ("Connection closed by peer"), so the
-    launcher hears the first rank's words first (docs/design/heartbeat.md).
+    launcher hears the first rank's words first (docs/design/heartbeat.md). A rank whose group is still closing
+    after an error (a dead peer holds its threads) ends at once, its error said (`_leave_now`).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         d, rec, finished = None, None, False
@@ -118,7 +120,8 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
             finished = True
             return 0
         except UserError as e:
-            report(e)
+            if report:
+                report(e)
             raise
         finally:
             words = _last_words(sys.exc_info()[1])
@@ -126,7 +129,8 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 d.heartbeat.stop(*words)
             if rec:  # after a re-forming, the last generation's heartbeat
                 rec.stop(*words)
-            distributed.teardown(together=finished)
+            if not distributed.teardown(together=finished):
+                _leave_now(sys.exc_info()[1], told=report is not None)
 
 
 @contextmanager
@@ -237,6 +241,17 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
         _leave(e.exit_code)
     except KeyboardInterrupt:
         _leave(130)
+
+
+def _leave_now(e: BaseException | None, told: bool) -> None:
+    """End this rank, whose process group is still closing after `e`: the interpreter's own exit would wait for the
+    group's threads, up to --timeout on a dead peer. Its error goes to stderr first, as the command would say it,
+    unless a launcher of ours was `told` it."""
+    if not told and isinstance(e, UserError | KeyboardInterrupt):
+        print(errors.last_word(e)[0], file=sys.stderr)
+    elif not told and e is not None:
+        traceback.print_exception(e)
+    _leave(errors.last_word(e)[1] if isinstance(e, UserError | KeyboardInterrupt) else 1)
 
 
 def _leave(code: int) -> None:

@@ -32,10 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # torchrun started this process, one per rank, and set the variables below
         worker(int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), a)
         return
-    # FIX: the tutorial hard-coded MASTER_ADDR. Node 0's address and a port: from the environment, else (one node)
-    # this machine and a free port.
+    # FIX: the tutorial hard-coded MASTER_ADDR. Node 0's address and port come from the environment; one node may
+    # leave them out (this machine and a free port).
+    if a.nodes > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        raise SystemExit("lesson: with several nodes, set MASTER_ADDR and MASTER_PORT to node 0's address and a port")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()) if a.nodes == 1 else "29500")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.spawn(spawned, args=(a,), nprocs=a.gpus)  # rank = node index × processes per node + local index
 
 
@@ -79,19 +81,20 @@ def train(local_rank: int, rank: int, world: int, device: torch.device, a: argpa
         sampler.set_epoch(epoch)  # FIX: never called in the tutorial, so every epoch repeated the first's order
         for i, (images, labels) in enumerate(loader):
             x, y = model_input(images.to(device), normalize=True), labels.to(device)
+            group = min(a.accumulate, len(loader) - i // a.accumulate * a.accumulate)  # the epoch's last may be short
             last = (i + 1) % a.accumulate == 0 or i + 1 == len(loader)
             # 4 all-reduce: inside backward DDP averages the gradients over the ranks. With --accumulate K, the
             # first K-1 backwards run under no_sync (gradients only add up here) and the K-th all-reduces the sum.
             with nullcontext() if last else net.no_sync():
-                loss = F.cross_entropy(net(x), y) / a.accumulate
-                loss.backward()
+                loss = F.cross_entropy(net(x), y)
+                (loss / group).backward()
             if last:
                 opt.step()
                 opt.zero_grad()
         accuracy = evaluate(model, data.test, rank, world, device)  # FIX: the tutorial never evaluated
         # 5 rank 0: one process prints and saves; the others would only repeat it (and race for the file).
         if rank == 0:
-            print(f"epoch {epoch + 1}/{a.epochs}  loss {loss.item() * a.accumulate:.4f}  "
+            print(f"epoch {epoch + 1}/{a.epochs}  last batch's loss {loss.item():.4f}  "
                   f"test accuracy {accuracy:.2%}", flush=True)
             torch.save(model.state_dict(), a.out)  # FIX: the tutorial never saved; this loads into ConvNet()
 

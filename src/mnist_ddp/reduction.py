@@ -1,5 +1,6 @@
-"""How the step's gradients become one: the DDP comm hooks every run trains with, `MeanReduction` (DDP's mean)
-or `SlotReduction` (`--bitwise`: summed in slot order), and what `--profile` times (docs/design/bitwise.md)."""
+"""The general step's reductions (a reader of the textbook step can skip this): the DDP comm hooks of `--bitwise`
+(`SlotReduction`: summed in slot order) and `--profile` (`MeanReduction`, which it times), and the loss weights of
+micro-batches of any size (docs/design/bitwise.md). Every other run keeps DDP's own all-reduce, with no hook."""
 
 import math
 from abc import ABC, abstractmethod

@@ -2,7 +2,8 @@
 
 `train_step` is the textbook DDP step, and the one a run takes wherever each rank trains one whole
 micro-batch of the step (the world is the run's M micro-batches; no --bitwise, no --profile). `slot_step` is
-the general step for every other case: a reader can skip it (docs/design/slots.md).
+the general step for every other case (docs/design/slots.md); its `accumulate` is the textbook's `no_sync` loop,
+and its weighting and per-part BatchNorm statistics are what a first reading can skip.
 """
 
 from collections.abc import Callable, Iterator

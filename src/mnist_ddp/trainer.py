@@ -214,7 +214,7 @@ class Trainer:
 
     def _save(self, best: EvalResult | None = None) -> None:
         """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
-        if self.d.rank == 0:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
+        if self.d.is_main:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
             state.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
                        self.data.classes)
 
@@ -234,8 +234,8 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
     # Rank 0 alone prints, writes metrics and plots (the other ranks' Reporter does nothing) and saves (`_save`), so
     # the loop needs no `if rank == 0` branches.
-    report = Reporter(Path(cfg.out), d.rank == 0, cfg.progress, cfg.plots, cfg.tensorboard,
-                      tracking.for_run(cfg, d.world_size))
+    report = Reporter(Path(cfg.out), enabled=d.is_main, progress=cfg.progress, plots=cfg.plots,
+                      tensorboard=cfg.tensorboard, mlflow=tracking.for_run(cfg, d.world_size))
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
