@@ -282,15 +282,16 @@ def configure(argv: list[str]) -> Config:
     return PredictConfig(a.checkpoint, tuple(a.files), a.device, a.top)
 
 
-def run_train(cfg: TrainConfig) -> int:
-    """Train as this process was started (alone, -g's children, or a rank of torchrun/srun/mpirun); the exit code."""
+def run_train(cfg: TrainConfig, began: float | None = None) -> int:
+    """Train as this process was started (alone, -g's children, or a rank of torchrun/srun/mpirun); the exit code.
+    `began`: when the command started (`time.time()`), for the run's `time:` line; default: this process's start."""
     if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
         from . import forkserver
 
         forkserver.start()
     from .launch import launch
 
-    return launch(cfg)
+    return launch(cfg, began)
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import atomic, console
+from . import atomic, console, timing
 from .results import read_jsonl
 from .tb import TensorBoard
 
@@ -23,6 +23,7 @@ class Reporter:
                  tensorboard: bool = False) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
+        self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
@@ -37,6 +38,7 @@ class Reporter:
         if self.steps_path.exists():
             self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
+    @timing.charged("outputs")
     def steps(self, points: list[dict[str, float]]) -> None:
         """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
         steps.jsonl (for curves.png) and TensorBoard, at x = samples."""
@@ -48,9 +50,19 @@ class Reporter:
             for p in points:
                 self.tb.scalars(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]})
 
+    @timing.charged("outputs")
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+    def wall_time(self, seconds: dict[str, float] | None) -> None:
+        """The run's wall time and its parts (timing.py): a line of `<out>/timing.jsonl`, one per start of the run
+        (a resume adds one), then the `time:` line, the run's last."""
+        if not (self.enabled and seconds):
+            return
+        before = self.timing_path.read_text().splitlines() if self.timing_path.exists() else []
+        _write_lines(self.timing_path, [*before, json.dumps(seconds)])
+        self.say(timing.line(seconds))
 
     def say(self, line: str) -> None:
         if self.enabled:

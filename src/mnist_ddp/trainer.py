@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary
+from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary, timing
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -136,6 +136,7 @@ class Trainer:
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
+            timing.stepped()  # the first step ends the warm-up (timing.py)
             here, samples = self._samples(batch)
             self.stretch.add(step_loss, here, samples)
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
@@ -207,6 +208,7 @@ class Trainer:
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
 
+    @timing.charged("outputs")
     def _record(self, epoch: int, result: EvalResult, images_per_second: float, seconds: float) -> None:
         """One line of metrics.jsonl, the console line and the plots (rank 0)."""
         p, r = self.t.progress, self.cfg.recipe
@@ -221,6 +223,7 @@ class Trainer:
             "global_batch": self.train_batches.global_batch, "dataset": self.data.name,
         }, result.confusion, self.data.classes, self.samples_done)
 
+    @timing.charged("outputs")
     def _save(self, path: Path) -> None:
         state.save(path, self.t, self.cfg, self.d, self.share.slots, self.stats.parts,
                    keep_previous=path == self.ckpt_path)
@@ -241,10 +244,12 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     report = Reporter(Path(cfg.out), d.is_main, cfg.progress, cfg.plots, cfg.tensorboard)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
+    timing.enter("warm-up")  # the model, its optimizer, the first step
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(summary.data_line(data))
     trainer = Trainer(cfg, d, data, report, recovery)
     result = trainer.run()
     trainer.report.close()
     trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+    trainer.report.wall_time(timing.finish())
     return result.accuracy
