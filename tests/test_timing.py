@@ -88,3 +88,14 @@ def test_a_run_says_where_its_wall_time_went(tmp_path: Path, launch: list[str]) 
         records = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
         assert records[0] == record and len(records) == 2 and list(records[1]) == list(record)
 
+
+
+def test_the_command_exits_as_python_would_less_the_teardown() -> None:
+    """cli.exit_now skips the modules' teardown, not what an exit must do: threads are waited for, exit handlers
+    run, buffered output is written, and the exit code is kept."""
+    probe = ("import atexit, sys, threading, time; from mnist_ddp.cli import exit_now; "
+             "atexit.register(print, 'handler ran'); "
+             "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start(); "
+             "sys.stdout.write('buffered, no newline'); exit_now(3)")
+    r = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and r.stdout == "buffered, no newlinethread done\nhandler ran\n", r
