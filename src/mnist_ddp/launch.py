@@ -109,6 +109,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False, began
                     cfg = replace(cfg, resume=True)
                 d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
             timing.enter("data")
+            forkserver.import_in_background()  # the optimizer's torch._dynamo, while the data loads
             rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
             trainer.run(cfg, d, rec)
             finished = True
