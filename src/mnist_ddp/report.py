@@ -1,8 +1,9 @@
 """What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard. Only rank 0 reports:
 the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
+import functools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ class Reporter:
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
         self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
+        self.drawing: Callable[[], None] | None = None  # the last epoch's plots, until `close` draws them
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
 
@@ -52,6 +54,9 @@ class Reporter:
 
     @timing.charged("outputs")
     def close(self) -> None:
+        """The run's end, after its final line: the last epoch's plots (the result is said without waiting for
+        them), then TensorBoard's files closed."""
+        self._draw_pending()
         if self.tb is not None:
             self.tb.close()
 
@@ -101,6 +106,17 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
+        self.drawing = functools.partial(self._draw, metrics, confusion, classes, step)
+        if metrics["epoch"] < metrics["epochs"]:  # else the run's last: drawn by `close`, after the final line
+            self._draw_pending()
+
+    def _draw_pending(self) -> None:
+        if self.drawing is not None:
+            self.drawing()
+            self.drawing = None
+
+    def _draw(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
+        """An epoch's plots and TensorBoard values."""
         figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
         figure = _confusion_figure(figure_class, confusion, classes) if figure_class else None  # drawn once, for both
         if self.plots and figure is not None:

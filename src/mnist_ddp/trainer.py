@@ -249,7 +249,7 @@ def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     report.say(summary.data_line(data))
     trainer = Trainer(cfg, d, data, report, recovery)
     result = trainer.run()
-    trainer.report.close()
     trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+    trainer.report.close()  # the last epoch's plots, after the result is said
     trainer.report.wall_time(timing.finish())
     return result.accuracy
