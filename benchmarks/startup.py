@@ -90,7 +90,9 @@ def _one(src: Path, config: str, data: Path | None, work: Path, places: list, wh
     None: a data folder of its own, empty."""
     out = Path(tempfile.mkdtemp(dir=work))
     data = data or out / "data"
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    # PYTHONPATH too: the fork server of Python 3.11 imports its preload from its own default path (it ignores the
+    # launcher's sys.path), which an editable install points at the checkout's own src.
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)}
     if config != TWO_NAMESPACES:
         result = _timed(_command(src, data, out / "run", CONFIGS[config]), env, whole)
     else:

@@ -33,7 +33,7 @@ def one_run(src: Path, out: Path, extra: list[str]) -> dict[str, Any]:
            "console()", *RUN, "--out", str(out), *extra]
     began = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                         env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)})  # see startup.py
     final = None
     assert p.stdout is not None
     for line in p.stdout:
