@@ -4,14 +4,16 @@ Runs `mnist-ddp train --dataset fashion-mnist` (the default recipe: 2 epochs, pl
 each source tree in turn, round after round, so that a busy machine slows both alike. For each run: the wall time
 from launch to exit, to the `final:` line, the epochs' seconds (metrics.jsonl's epoch_seconds: training and
 evaluation), the rest (wall − epochs: start, data, the model's set-up, outputs, exit) and, where the tree
-writes one, the run's own split (timing.jsonl). Then the synthetic digits (60k + 10k) made by each tree's
-generator, interleaved too. Prints medians, the spread and the ratios; asserts nothing.
+writes one, the run's own split (timing.jsonl); and whether every run saved the same model (SHA-256 of its
+state). Then the synthetic digits (60k + 10k) made by each tree's generator, interleaved too, and whether
+their bytes are the same. Prints medians, the spread and the ratios; asserts nothing.
 
     python benchmarks/time_to_model.py --src /tmp/base/src src            # 3 rounds
     python benchmarks/time_to_model.py --src /tmp/base/src src --rounds 5 --only synthetic
 """
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import bitwise_check  # beside this file: the saved model's SHA-256 (it imports mnist_ddp from this checkout)
+from mnist_ddp import idx
 
 RUN = ("train", "--dataset", "fashion-mnist")
 PARTS = ("start", "join", "data", "warm-up", "training", "evaluation", "outputs")
@@ -45,7 +50,8 @@ def one_run(src: Path, out: Path, extra: list[str]) -> dict[str, Any]:
     epochs = sum(json.loads(line)["epoch_seconds"] for line in (out / "metrics.jsonl").read_text().splitlines())
     timed = out / "timing.jsonl"
     split = json.loads(timed.read_text().splitlines()[-1]) if timed.is_file() else {}
-    return {"wall": wall, "final": final, "epochs": epochs, "outside": wall - epochs, **split}
+    return {"wall": wall, "final": final, "epochs": epochs, "outside": wall - epochs, **split,
+            "model": bitwise_check.model_hash(out)}
 
 
 def generator(src: Path) -> Any:
@@ -77,7 +83,8 @@ def main() -> None:
                 for src, name in zip(args.src, names):
                     got = one_run(src, Path(tmp) / f"{r}-{len(runs[name])}-{src.parent.name}", args.extra.split())
                     runs[name].append(got)
-                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
+                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if k != "model"),
+                          flush=True)
         print(f"\nmedians (min-max) of {args.rounds} rounds, seconds: mnist-ddp train {' '.join(RUN[1:])} "
               f"{args.extra}")
         print(f"{'source':40s} {'wall':>18s} {'final: line':>18s} {'epochs':>18s} {'wall - epochs':>18s}")
@@ -89,6 +96,8 @@ def main() -> None:
                     f"{part} {statistics.median(r[part] for r in rows):.2f}" for part in PARTS)
                     + f" = {statistics.median(r['total'] for r in rows):.2f}, then the exit "
                     f"{statistics.median(r['wall'] - r['total'] for r in rows):.2f}")
+        models = {r["model"] for rows in runs.values() for r in rows}
+        print(f"saved models: {'one SHA-256, ' + next(iter(models)) if len(models) == 1 else f'{len(models)} DIFFER'}")
         if len(names) > 1:
             base, last = runs[names[0]], runs[names[-1]]
             for k in ("wall", "final", "outside"):
@@ -103,9 +112,9 @@ def main() -> None:
                 began = time.perf_counter()
                 train, test = module.generate(60_000, 20_240_601), module.generate(10_000, 20_240_602)
                 made[name].append(time.perf_counter() - began)
-                digests.add(b"".join(bytes(t.flatten().tolist()) for t in (train[0][:500], test[0][:500])))
+                digests.add(hashlib.sha256(b"".join(idx.encode(t) for t in (*train, *test))).hexdigest())
         print(f"\nsynthetic digits, 60k + 10k, medians (min-max) of {args.rounds} rounds, seconds; "
-              f"{'the same bytes' if len(digests) == 1 else 'DIFFERENT BYTES'} (first 500 images of each)")
+              f"{'the same bytes' if len(digests) == 1 else 'DIFFERENT BYTES'} (SHA-256 of images and labels)")
         for name, seconds in made.items():
             print(f"{name[-40:]:40s} {spread(seconds)}")
         if len(names) > 1:
