@@ -12,7 +12,8 @@ numbers of the parts before it. Parts, in this order:
   env            torch, CUDA, GPU name and count, the packages the train path imports (tqdm, pillow)
   to99           `mnist-ddp train` on the synthetic digits, the default recipe (its 2 epochs) with --target-accuracy
                  0.99: the wall time of the process until it exits with a 99% model (data generation included),
-                 which step ran, the accuracy reached, each epoch's seconds
+                 the run's own split of it (timing.jsonl: start, join, data, warm-up, training, evaluation,
+                 outputs), which step ran, the accuracy reached, each epoch's seconds
   graph          --graph-step on vs off (the step as one CUDA graph, replayed, vs the eager textbook step) at batch
                  100: images/s of the second epoch, the graph run's first epoch over its second, both accuracies
   ddp_capture    ddp_capture.py: DDP itself captured in a world of one over a real NCCL communicator, against the
@@ -186,9 +187,13 @@ def part_to99(c: Check) -> dict[str, Any]:
     run = c.train("to99", *flags, samples=c.args.samples if c.args.quick else None)  # all of it, on the GPU
     acc = run["epochs"][-1]["test_accuracy"]
     c.say(f"   mnist-ddp train to a {acc:.2%} model: {run['wall_seconds']:.1f} s, the process's wall time")
+    timed = run["dir"] / "timing.jsonl"  # the run's own split of it (docs/speed.md#where-the-time-went)
+    split = json.loads(timed.read_text().splitlines()[-1]) if timed.is_file() else None
+    if split:
+        c.say("   of which " + " + ".join(f"{part} {s:.2f}" for part, s in split.items() if part != "total"))
     return {"wall_seconds": run["wall_seconds"], "test_accuracy": acc, "reached_99": acc >= 0.99,
             "epochs_run": len(run["epochs"]), "epoch_seconds": [e["epoch_seconds"] for e in run["epochs"]],
-            "step": run["step"], "data": run["data"]}
+            "step": run["step"], "data": run["data"], "timing": split}
 
 
 def part_graph(c: Check) -> dict[str, Any]:

@@ -8,10 +8,13 @@ its optimizer: the last line before the first step), with the CPU seconds its pr
 until then, and the run is stopped there (SIGTERM, which it
 takes as Ctrl-C). `--src A B` compares source trees (e.g. a `git archive` of main's) run by run,
 interleaved, so that a loaded machine slows both alike. Then one whole epoch per setting, with the last
-tree, for the ratio start-up / epoch (training only, from metrics.jsonl). Prints a table; asserts nothing.
+tree, for the ratio start-up / epoch (training only, from metrics.jsonl). `--cold`: every run gets an empty
+data folder, as on a new machine, so the synthetic set is made before the first step. Prints a table; asserts
+nothing.
 
     python benchmarks/startup.py                        # this tree, 3 rounds
     python benchmarks/startup.py --src /tmp/main/src src --rounds 5
+    python benchmarks/startup.py --src /tmp/main/src src --configs "-g 4" --cold
 """
 
 import argparse
@@ -82,10 +85,14 @@ def _timed(cmd: list[str], env: dict[str, str], whole: bool) -> dict[str, float]
     return {"data": seen["data:"], "first step": seen["run:"], "cpu": seen["cpu"]}
 
 
-def _one(src: Path, config: str, data: Path, work: Path, places: list, whole: bool = False) -> dict[str, float]:
-    """One run of `config` with the package in `src`: its start-up, and its epoch's seconds if `whole`."""
+def _one(src: Path, config: str, data: Path | None, work: Path, places: list, whole: bool = False) -> dict[str, float]:
+    """One run of `config` with the package in `src`: its start-up, and its epoch's seconds if `whole`. `data`
+    None: a data folder of its own, empty."""
     out = Path(tempfile.mkdtemp(dir=work))
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    data = data or out / "data"
+    # PYTHONPATH too: the fork server of Python 3.11 imports its preload from its own default path (it ignores the
+    # launcher's sys.path), which an editable install points at the checkout's own src.
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)}
     if config != TWO_NAMESPACES:
         result = _timed(_command(src, data, out / "run", CONFIGS[config]), env, whole)
     else:
@@ -111,6 +118,7 @@ def main() -> None:
                    help="source trees (folders holding mnist_ddp/) to compare")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--cold", action="store_true", help="no data cache: each run makes the synthetic set first")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, _stop)  # namespaces deleted, runs stopped, as on Ctrl-C
     configs = list(args.configs)
@@ -126,13 +134,13 @@ def main() -> None:
         for r in range(args.rounds):
             for config in configs:
                 for src in args.src:
-                    got = _one(src, config, data, work, places)
+                    got = _one(src, config, None if args.cold else data, work, places)
                     results.setdefault((str(src), config), []).append(got)
                     print(f"round {r + 1} {config:24s} {src}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items()),
                           flush=True)
         epochs = {config: _one(args.src[-1], config, data, work, places, whole=True)["epoch"] for config in configs}
-    print(f"\nmedians of {args.rounds} rounds: launch -> the data: line, -> the run: line (the first step); one "
-          f"epoch's training seconds with {args.src[-1]}")
+    print(f"\nmedians of {args.rounds} rounds{', each with an empty data folder' if args.cold else ''}: launch -> the "
+          f"data: line, -> the run: line (the first step); one epoch's training seconds with {args.src[-1]}")
     print(f"{'run':24s} {'source':32s} {'data':>7s} {'first step':>11s} {'CPU s':>7s} {'epoch':>7s} "
           f"{'start/epoch':>12s}")
     for (src, config), rows in results.items():

@@ -91,7 +91,7 @@ def test_second_run_into_a_busy_out_is_refused_and_the_first_finishes(tmp_path: 
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
     assert checkpoint.load(out / "checkpoint.pt")["progress"]["epoch"] == 2
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl",
-                                                     "model.safetensors", "steps.jsonl"]
+                                                     "model.safetensors", "steps.jsonl", "timing.jsonl"]
 
 
 def test_sigkilled_run_leaves_no_stale_lock(tmp_path: Path) -> None:

@@ -34,8 +34,11 @@ def _finite(value: object) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
-def _last_line(out: str) -> str:
-    return out.strip().splitlines()[-1]
+def _final_line(out: str) -> str:
+    """The run's last word, the `final:` line (the `time:` line follows it)."""
+    *said, timed = out.strip().splitlines()
+    assert timed.startswith("time: "), out
+    return said[-1]
 
 
 def _graph_step_ran(out: str) -> bool:
@@ -54,7 +57,7 @@ def test_divergence_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_pa
     with reaped(mark):
         first = run_cli(*args, "--target-accuracy", "0.01", env={MARK: mark, **ONE_THREAD}, timeout=HANG)
         assert first.returncode == 0, first.stderr
-        assert "reached the target 1.00% after epoch 1 of 3" in _last_line(first.stdout)
+        assert "reached the target 1.00% after epoch 1 of 3" in _final_line(first.stdout)
         assert _graph_step_ran(first.stdout) == ("--graph-step" in world), first.stdout
         before = {name: (out / name).read_bytes() for name in ("checkpoint.pt", "best.pt")}
         assert all(_finite(checkpoint.load(out / name)) for name in before)
@@ -85,7 +88,7 @@ def test_target_accuracy_stops_after_the_first_epoch_that_reaches_it(tmp_path: P
     accuracies = [row["test_accuracy"] for row in rows]
     assert 2 <= len(rows) < 4, accuracies  # an epoch fell short first, and the run stopped before the end
     assert all(a < target for a in accuracies[:-1]) and accuracies[-1] >= target, accuracies
-    assert f"final: reached the target {target:.2%} after epoch {len(rows)} of 4: " in _last_line(run.stdout)
+    assert f"final: reached the target {target:.2%} after epoch {len(rows)} of 4: " in _final_line(run.stdout)
     saved = checkpoint.load(out / "checkpoint.pt")
     assert saved["progress"]["epoch"] == len(rows) and saved["config"]["target_accuracy"] == target
     assert (out / "best.pt").exists()
@@ -105,9 +108,9 @@ def test_resume_after_the_target_trains_on_only_for_a_higher_one(tmp_path: Path)
     for same_or_lower in ("0.5", "0.3"):
         again = train_("--resume", "--target-accuracy", same_or_lower)
         assert again.returncode == 0, again.stderr
-        assert _last_line(again.stdout).startswith("final: already done: an earlier epoch reached the target")
+        assert _final_line(again.stdout).startswith("final: already done: an earlier epoch reached the target")
         assert "epoch 2/3" not in again.stdout and (out / "checkpoint.pt").read_bytes() == stopped
     higher = train_("--resume", "--target-accuracy", "1")
     assert higher.returncode == 0, higher.stderr
-    assert _last_line(higher.stdout).startswith("final: did not reach the target 100.00% in 3 epochs: ")
+    assert _final_line(higher.stdout).startswith("final: did not reach the target 100.00% in 3 epochs: ")
     assert [row["epoch"] for row in metrics(out)] == [1, 2, 3]

@@ -1,8 +1,15 @@
-"""The built-in digits: the same seed gives the same bytes, and the rasteriser draws exactly the strokes."""
+"""The built-in digits: the same seed gives the same bytes, the bytes of a version never change, and the
+rasteriser draws exactly the strokes."""
+
+import hashlib
 
 import torch
 
-from mnist_ddp import synthetic
+from mnist_ddp import idx, synthetic
+
+# SHA-256 of generate(2500, 20240601)'s images and labels as IDX bytes, per synthetic.VERSION: the cached copies of
+# a version (data/synthetic/v<VERSION>/) are trusted to be these bytes, so a change to them must raise VERSION.
+BYTES = {1: "16a0291e3647d13e8ced61cf99b07ffed7418ba4644ca20e392aa996642102da"}
 
 
 def test_same_seed_same_bytes_other_seed_other_digits() -> None:
@@ -12,19 +19,37 @@ def test_same_seed_same_bytes_other_seed_other_digits() -> None:
     assert a[0].dtype == torch.uint8 and a[0].shape == (300, 28, 28) and set(a[1].tolist()) == set(range(10))
 
 
+def test_a_version_keeps_its_bytes() -> None:
+    """Two chunks (2,048 + 452 images) of the training set's seed: the bytes the version was released with."""
+    images, labels = synthetic.generate(2500, 20240601)
+    assert hashlib.sha256(idx.encode(images) + idx.encode(labels)).hexdigest() == BYTES[synthetic.VERSION]
+
+
+def _plain_render(seg: torch.Tensor, mask: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """The definition: every pixel's distance to every real segment (the same arithmetic, in the same order)."""
+    centres = torch.arange(28.0) + 0.5
+    px, py = centres.repeat(28), centres.repeat_interleave(28)  # row by row, like the image
+    out = []
+    for i in range(len(seg)):
+        (ax, ay), (ex, ey) = seg[i, mask[i], 0].T[:, :, None], seg[i, mask[i], 1].T[:, :, None]  # (2, S, 1) each
+        dx, dy = ex - ax, ey - ay
+        t = (((px - ax) * dx + (py - ay) * dy) / (dx * dx + dy * dy).clamp_min(1e-6)).clamp(0, 1)
+        nearest = ((px - ax - t * dx).square() + (py - ay - t * dy).square()).amin(0)
+        out.append(((width[i] - nearest.sqrt()) / 0.9 + 0.5).clamp(0, 1).reshape(28, 28))
+    return torch.stack(out)
+
+
 def test_render_draws_every_real_segment_and_nothing_else() -> None:
-    """Against the plain definition: each pixel's ink comes from its distance to the nearest real segment."""
+    """The windowed rasteriser gives the plain definition's floats exactly, also for strokes at and beyond the
+    image's edges and for the widest pen, where a window is cut short by the border or as big as the image."""
     templates, masks = synthetic._padded_templates()
     g = torch.Generator().manual_seed(0)
-    labels = torch.arange(10).repeat(3)
-    seg = templates[labels] * 20 + 4 + torch.rand(len(labels), 1, 1, 2, generator=g)
+    labels = torch.arange(10).repeat(6)
+    scale = torch.tensor([20.0, 20.0, 36.0, 36.0, 8.0, 8.0]).repeat_interleave(10)[:, None, None, None]
+    offset = torch.tensor([4.0, -6.0, -4.0, 0.0, 0.0, 21.0]).repeat_interleave(10)[:, None, None, None]
+    seg = templates[labels] * scale + offset + torch.rand(len(labels), 1, 1, 2, generator=g)
     width = 0.8 + 1.4 * torch.rand(len(labels), generator=g)
+    width[::7] = 2.2  # the widest pen generate draws with
     got = synthetic._render(seg, masks[labels], width)
-    centres = torch.stack(torch.meshgrid(torch.arange(28.0) + 0.5, torch.arange(28.0) + 0.5, indexing="xy"), -1)
-    for i, digit in enumerate(labels.tolist()):
-        a, b = seg[i, masks[digit], 0], seg[i, masks[digit], 1]  # (S, 2) ends of the real segments only
-        ab, ap = b - a, centres.reshape(-1, 1, 2) - a
-        t = ((ap * ab).sum(-1) / (ab * ab).sum(-1).clamp_min(1e-6)).clamp(0, 1)
-        dist = (ap - t[..., None] * ab).norm(dim=-1).min(1).values
-        want = ((width[i] - dist) / 0.9 + 0.5).clamp(0, 1).reshape(28, 28)
-        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=0)
+    assert torch.equal(got, _plain_render(seg, masks[labels], width))
+    assert got.amax((1, 2)).gt(0.5).all() and got.eq(0).any()  # every digit drawn, and not everywhere

@@ -1,8 +1,6 @@
 """`python -m mnist_ddp …` (what torchrun runs with `-m mnist_ddp`)."""
 
-import sys
-
-from .cli import main
+from .cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

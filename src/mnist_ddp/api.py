@@ -15,6 +15,7 @@ import functools
 import inspect
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,10 +105,11 @@ def train(**options: Any) -> Run:
 
     Bad values raise `mnist_ddp.UserError`, and so does a failed worker (naming its rank). Ctrl-C, or a
     notebook's "interrupt kernel", stops every process and raises KeyboardInterrupt; the checkpoint stays."""
+    began = time.time()  # the run's `time:` line counts from the call, not from the kernel's start
     cfg = cast(TrainConfig, cli.configure(command_line("train", options)))
     with _handlers_kept():
         try:
-            cli.run_train(cfg)
+            cli.run_train(cfg, began)
             interrupted = False
         except KeyboardInterrupt:
             interrupted = True

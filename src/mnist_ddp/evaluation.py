@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import timing
 from .batches import ShardedBatches
 from .compute import autocast
 from .distributed import Dist
@@ -27,6 +28,7 @@ class EvalResult:
         return self.correct / self.count
 
 
+@timing.charged("evaluation")
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: ShardedBatches, d: Dist, amp: str = "off") -> EvalResult:
     """Loss, accuracy and confusion matrix of `model` (a plain module, not the DDP wrapper)."""

@@ -1,6 +1,8 @@
 """Where `-g G`'s processes come from: a fork server that imports torch and torch._dynamo once, started before the
 launcher imports torch (so no torch here); every child is a clean fork of it (docs/design/forkserver.md)."""
 
+import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -19,6 +21,20 @@ def start() -> None:
     """Start the fork server and its imports now, in the background (nothing happens if it runs already)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def import_in_background() -> None:
+    """In a rank that is no fork of the server (one process; torchrun's, srun's, mpirun's ranks): import
+    torch._dynamo in a thread, while this one reads the data; the first optimizer, which imports it, then waits
+    only for the rest. Call it where this thread imports nothing more of torch's: two threads importing one
+    package's modules in crossing orders could deadlock (docs/speed.md#where-the-time-went)."""
+    if "torch._dynamo" not in sys.modules:  # a fork of the server has it
+        threading.Thread(target=_import, args=("torch._dynamo",), name="import torch._dynamo", daemon=True).start()
+
+
+def _import(name: str) -> None:
+    with contextlib.suppress(BaseException):  # the optimizer's own import raises it again, where it is reported
+        importlib.import_module(name)
 
 
 def die_with_launcher() -> None:

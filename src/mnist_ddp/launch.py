@@ -46,6 +46,7 @@ from . import (
     recovery,
     rendezvous,
     tb,
+    timing,
     tracking,
     trainer,
 )
@@ -82,20 +83,22 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
-               report: Callable[[UserError], None] | None = None) -> int:
+               report: Callable[[UserError], None] | None = None, began: float | None = None) -> int:
     """One rank, start to finish: device, cores, process group, training; the group is always left.
 
     `claim_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
     once (torchrun and srun start all ranks before any of them could look). `report` hears this rank's error
     before it leaves the group: leaving is what makes a peer fail next ("Connection closed by peer"), so the
     launcher hears the first rank's words first (docs/design/heartbeat.md). A rank whose group is still closing
-    after an error (a dead peer holds its threads) ends at once, its error said (`_leave_now`).
+    after an error (a dead peer holds its threads) ends at once, its error said (`_leave_now`). `began`: when the
+    command started (`time.time()`), where the run's wall time is counted from (timing.py; default: this process's).
     """
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         d, rec, finished = None, None, False
         try:
             device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size,
                                              share=cfg.backend == "gloo")
+            timing.begin(timing.process_start() if began is None else began, lambda: compute.sync(device))
             if ident.rank == 0 and (line := distributed.sharing(device, ident.local_world_size)):
                 print(line, flush=True)
             if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
@@ -104,6 +107,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
             if settings and ident.rank == 0:
                 print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
             creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
+            timing.enter("join")
             d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
             if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
                 # Not an error: the tutorial's flags, typed as they are, must keep working.
@@ -115,6 +119,8 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                     if not cfg.resume and restarting(Path(cfg.out), ident, d):
                         cfg = replace(cfg, resume=True)
                     d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
+                timing.enter("data")
+                forkserver.import_in_background()  # the optimizer's torch._dynamo, while the data loads
                 rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
                 trainer.run(cfg, d, rec)
             finished = True
@@ -229,14 +235,14 @@ class ErrorPipe:
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
-             output: Connection, environ: dict[str, str]) -> None:
+             output: Connection, environ: dict[str, str], began: float | None = None) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
     forkserver.adopt(environ)
     console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
     ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
     try:
-        run_worker(ident, cfg, report=reports.put)
+        run_worker(ident, cfg, report=reports.put, began=began)
     except UserError as e:
         _leave(e.exit_code)
     except KeyboardInterrupt:
@@ -307,9 +313,10 @@ def await_every_child(processes: list[Child]) -> bool:
     return any(p.exitcode == 0 for p in processes)
 
 
-def spawn(cfg: TrainConfig) -> int:
+def spawn(cfg: TrainConfig, began: float) -> int:
     """The tutorial's launch: G local processes of an N-node job, meeting at node 0's store. On one node the
-    parent makes the job's secret and hands it to its children alone (never to the store, never to disk)."""
+    parent makes the job's secret and hands it to its children alone (never to the store, never to disk).
+    `began`: when the command started, where the children count the run's wall time from."""
     addr = cfg.master_addr or "127.0.0.1"
     if cfg.nodes == 1:
         cfg = replace(cfg, secret=secrets.token_bytes(32))
@@ -323,7 +330,7 @@ def spawn(cfg: TrainConfig) -> int:
         reports = ErrorPipe()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ)),
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ), began),
                                       nprocs=cfg.gpus, join=False, start_method="forkserver")
         workers = forkserver.Workers([p.pid for p in children.processes])
         try:
@@ -367,17 +374,18 @@ def spawn(cfg: TrainConfig) -> int:
     return 0
 
 
-def launch(cfg: TrainConfig) -> int:
-    """Run training the way this process was started; returns the exit code."""
+def launch(cfg: TrainConfig, began: float | None = None) -> int:
+    """Run training the way this process was started; returns the exit code. `began`: when the command started
+    (`time.time()`; default: this process's start)."""
     ident = identity.from_env(os.environ)
     preflight(cfg)
     if ident is not None:
         if (cfg.nodes, cfg.gpus, cfg.node_rank) != (1, 1, 0):
             raise UserError(f"{ident.launcher} already started {ident.world_size} processes; "
                             f"-n/-g/-nr are for mnist-ddp's own launcher, so leave them out.")
-        return run_worker(ident, cfg, claim_out=True)
+        return run_worker(ident, cfg, claim_out=True, began=began)
     # Rank 0, on node 0, is the only writer; this process outlives it, so it holds --out for the whole run.
     with outdir.claim(Path(cfg.out), cfg.resume) if cfg.node_rank == 0 else nullcontext():
         if cfg.world_size == 1:
-            return run_worker(Identity(), cfg)
-        return spawn(cfg)
+            return run_worker(Identity(), cfg, began=began)
+        return spawn(cfg, timing.process_start() if began is None else began)

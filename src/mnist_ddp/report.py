@@ -1,14 +1,16 @@
 """What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard, MLflow. Only rank 0
 reports: the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
+import functools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from . import atomic, console, tracking
+from . import atomic, console, timing, tracking
+from .config import TrainConfig
 from .results import read_jsonl
 from .tb import TensorBoard
 
@@ -24,9 +26,16 @@ class Reporter:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
         self.mlflow, self.tracker = mlflow, None  # the MLflow run opens in `begin` too
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
+        self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
+        self.drawing: Callable[[], None] | None = None  # the last epoch's plots, until `close` draws them
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, *, enabled: bool, world_size: int) -> "Reporter":
+        """A training run's Reporter, with what its flags ask for: the bar, plots, TensorBoard, MLflow."""
+        return cls(Path(cfg.out), enabled, cfg.progress, cfg.plots, cfg.tensorboard, tracking.for_run(cfg, world_size))
 
     def begin(self, step: int) -> None:
         """Training starts, or resumes, after `step` training samples of the run: what a lost run logged after
@@ -40,6 +49,7 @@ class Reporter:
         if self.steps_path.exists():
             self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
+    @timing.charged("outputs")
     def steps(self, points: list[dict[str, float]]) -> None:
         """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
         steps.jsonl (for curves.png) and TensorBoard, at x = samples."""
@@ -54,13 +64,27 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.scalars(logged)
 
+    @timing.charged("outputs")
     def close(self, raised: type[BaseException] | None = None) -> None:
-        """The run ends: finished, or stopped by `raised` (an interrupt, an error), which MLflow records as such."""
+        """The run's end, after its final line: the last epoch's plots (the result is said without waiting for them),
+        then TensorBoard's files closed and the MLflow run finished, or marked stopped by `raised` (an interrupt, an
+        error)."""
+        if raised is None:
+            self._draw_pending()
         if self.tb is not None:
             self.tb.close()
         if self.tracker is not None:  # last: it sends the run's files, model.safetensors among them
             self.tracker.close(None if raised is None else "KILLED" if issubclass(raised, KeyboardInterrupt)
                                else "FAILED")
+
+    def wall_time(self, seconds: dict[str, float] | None) -> None:
+        """The run's wall time and its parts (timing.py): a line of `<out>/timing.jsonl`, one per start of the run
+        (a resume adds one), then the `time:` line, the run's last."""
+        if not (self.enabled and seconds):
+            return
+        before = self.timing_path.read_text().splitlines() if self.timing_path.exists() else []
+        _write_lines(self.timing_path, [*before, json.dumps(seconds)])
+        self.say(timing.line(seconds))
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -89,6 +113,7 @@ class Reporter:
         _write_lines(self.metrics_path, [line for line in self.metrics_path.read_text().splitlines()
                                          if line.strip() and json.loads(line)["epoch"] <= epoch])
 
+    @timing.charged("outputs")
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
         """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
         TensorBoard, MLflow."""
@@ -99,14 +124,25 @@ class Reporter:
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
+        if self.tracker is not None:
+            self.tracker.epoch(step, metrics)
+        self.drawing = functools.partial(self._draw, metrics, confusion, classes, step)
+        if metrics["epoch"] < metrics["epochs"]:  # else the run's last: drawn by `close`, after the final line
+            self._draw_pending()
+
+    def _draw_pending(self) -> None:
+        if self.drawing is not None:
+            self.drawing()
+            self.drawing = None
+
+    def _draw(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
+        """An epoch's plots and TensorBoard values."""
         figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
         figure = _confusion_figure(figure_class, confusion, classes) if figure_class else None  # drawn once, for both
         if self.plots and figure is not None:
             self._plot(figure_class, figure)
         if self.tb is not None:
             self.tb.epoch(step, metrics, figure)
-        if self.tracker is not None:
-            self.tracker.epoch(step, metrics)
 
     def history(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []

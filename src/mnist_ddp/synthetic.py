@@ -52,23 +52,43 @@ def _padded_templates() -> tuple[torch.Tensor, torch.Tensor]:
     return out, mask
 
 
+WINDOWS = (6, 8, 10, 13, 28)  # the widths and heights, in pixels, of the windows a segment is measured on
+
+
 def _render(seg: torch.Tensor, mask: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """Rasterise (B, S, 2, 2) pixel-space segments with pen `width` (B,) into (B, 28, 28) in [0, 1]. `mask` is True
-    on a prefix of each row (a template's real segments): a "1" costs 2 segments, not an "8"'s 20 (2.4x faster, same
-    bytes)."""
-    ys, xs = torch.meshgrid(torch.arange(28.0) + 0.5, torch.arange(28.0) + 0.5, indexing="ij")
-    px, py = xs.reshape(1, -1), ys.reshape(1, -1)  # pixel centres, (1, 784)
-    nearest = torch.full((seg.shape[0], 784), float("inf"))
-    counts = mask.sum(1)
-    for s in range(int(counts.max())):  # one segment at a time keeps memory at (B, 784)
-        rows = (counts > s).nonzero().squeeze(1)
-        ax, ay = seg[rows, s, 0, 0:1], seg[rows, s, 0, 1:2]
-        dx, dy = seg[rows, s, 1, 0:1] - ax, seg[rows, s, 1, 1:2] - ay
-        t = (((px - ax) * dx + (py - ay) * dy) / (dx * dx + dy * dy).clamp_min(1e-6)).clamp(0, 1)
-        d2 = (px - ax - t * dx).square() + (py - ay - t * dy).square()
-        nearest[rows] = torch.minimum(nearest[rows], d2)
-    ink = ((width[:, None] - nearest.sqrt()) / 0.9 + 0.5).clamp(0, 1)  # ~1 px soft edge
-    return ink.reshape(-1, 28, 28)
+    """Rasterise (B, S, 2, 2) pixel-space segments with pen `width` (B,) into (B, 28, 28) in [0, 1]; `mask` marks
+    each image's real segments. A pixel's ink comes from its distance to the nearest segment and is 0 from
+    `width` + 0.45 px on, so each segment is measured only on a window around it (its box, widened by `width` +
+    0.5 px), not on all 784 pixels: a tenth of the work, and the same bytes (docs/data.md)."""
+    b, s = mask.nonzero(as_tuple=True)  # the real segments, each image b's segment s
+    a, e = seg[b, s, 0], seg[b, s, 1]  # its ends, (P, 2)
+    ax, ay = a[:, 0, None, None], a[:, 1, None, None]
+    dx, dy = e[:, 0, None, None] - ax, e[:, 1, None, None] - ay
+    length2 = (dx * dx + dy * dy).clamp_min(1e-6)
+    reach = (width[b] + 0.5)[:, None]
+    first = (torch.minimum(a, e) - reach - 0.5).ceil().clamp(0, 27)  # the first column and row whose pixel centre
+    last = (torch.maximum(a, e) + reach - 0.5).floor().clamp(0, 27)  # is within reach of the box, and the last
+    # The window: the smallest of WINDOWS that fits, across and down; the segments of one shape are measured together.
+    fits = torch.searchsorted(torch.tensor(WINDOWS, dtype=torch.float32), (last - first + 1).contiguous())
+    shape = fits[:, 0] * len(WINDOWS) + fits[:, 1]
+    nearest = torch.full((len(seg) * 784,), float("inf"))  # each pixel's squared distance to the nearest segment
+    groups = shape.argsort().split(torch.bincount(shape, minlength=len(WINDOWS) ** 2).tolist())
+    for k, group in enumerate(groups):
+        if not len(group):
+            continue
+        across, down = WINDOWS[k // len(WINDOWS)], WINDOWS[k % len(WINDOWS)]
+        corner = torch.minimum(first[group], torch.tensor([28.0 - across, 28.0 - down]))  # the window in the image
+        px = corner[:, 0, None, None] + torch.arange(across, dtype=torch.float32) + 0.5  # pixel centres, (G, 1, w)
+        py = corner[:, 1, None, None] + torch.arange(down, dtype=torch.float32)[:, None] + 0.5  # (G, h, 1)
+        gx, gy, gdx, gdy = ax[group], ay[group], dx[group], dy[group]
+        t = (((px - gx) * gdx + (py - gy) * gdy) / length2[group]).clamp(0, 1)
+        d2 = (px - gx - t * gdx).square() + (py - gy - t * gdy).square()
+        at = corner.long()
+        pixel = (b[group] * 784 + at[:, 1] * 28 + at[:, 0])[:, None, None] + torch.arange(down)[:, None] * 28 \
+            + torch.arange(across)
+        nearest.scatter_reduce_(0, pixel.view(-1), d2.view(-1), "amin")
+    ink = nearest.view(len(seg), 28, 28).sqrt_()
+    return ink.neg_().add_(width[:, None, None]).div_(0.9).add_(0.5).clamp_(0, 1)  # ~1 px soft edge
 
 
 def generate(n: int, seed: int, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +115,7 @@ def generate(n: int, seed: int, chunk: int = 2048) -> tuple[torch.Tensor, torch.
         pix = torch.einsum("bij,bsej->bsei", mat, seg - 0.5) + shift[:, None, None, :]
         width = 0.8 + 1.4 * torch.rand(m, generator=g)
         ink = _render(pix, masks[lab], width)
-        ink = ink * (0.6 + 0.4 * torch.rand(m, 1, 1, generator=g))
-        ink = ink + 0.12 * torch.rand(m, 1, 1, generator=g) * torch.randn(m, 28, 28, generator=g)
-        images[lo : lo + m] = (ink.clamp(0, 1) * 255).round().to(torch.uint8)
+        ink.mul_(0.6 + 0.4 * torch.rand(m, 1, 1, generator=g))  # in place: the same numbers, no new 6 MB tensors
+        ink.add_(0.12 * torch.rand(m, 1, 1, generator=g) * torch.randn(m, 28, 28, generator=g))
+        images[lo : lo + m] = ink.clamp_(0, 1).mul_(255).round_()
     return images, labels

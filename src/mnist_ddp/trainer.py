@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary, tracking
+from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary, timing
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -33,9 +33,8 @@ class Trainer:
         self.cfg, self.d, self.data, self.report, self.recovery = cfg, d, data, report, recovery
         self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
-        model = ConvNet().to(d.device)  # the plain ConvNet: what is evaluated and saved
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        model = ConvNet().to(d.device, memory_format=layout)  # the plain ConvNet: what is evaluated and saved
         opt, self.schedule = schedule.build_optimizer(cfg.recipe, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
@@ -141,6 +140,7 @@ class Trainer:
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
+            timing.stepped()  # the first step ends the warm-up (timing.py)
             here, samples = self._samples(batch)
             self.stretch.add(step_loss, here, samples)
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
@@ -212,6 +212,7 @@ class Trainer:
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
 
+    @timing.charged("outputs")
     def _save(self, best: EvalResult | None = None) -> None:
         """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
         if self.d.is_main:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
@@ -232,18 +233,18 @@ class Trainer:
 
 def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    # Rank 0 alone prints, writes metrics and plots (the other ranks' Reporter does nothing) and saves (`_save`), so
-    # the loop needs no `if rank == 0` branches.
-    report = Reporter(Path(cfg.out), enabled=d.is_main, progress=cfg.progress, plots=cfg.plots,
-                      tensorboard=cfg.tensorboard, mlflow=tracking.for_run(cfg, d.world_size))
+    # Rank 0 alone speaks and saves (`_save`): the others' Reporter does nothing, so the loop has no rank branches.
+    report = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
+    timing.enter("warm-up")  # the model, its optimizer, the first step
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     report.say(summary.data_line(data))
     trainer = Trainer(cfg, d, data, report, recovery)
     try:
         result = trainer.run()
+        trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
     finally:  # trainer.report: the one speaking at the end (--recover may have handed it on)
-        trainer.report.close(sys.exc_info()[0])
-    trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+        trainer.report.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
+    trainer.report.wall_time(timing.finish())
     return result.accuracy

@@ -1,0 +1,101 @@
+"""Where the time went (timing.py): every moment of a run is charged to one part, the parts add up to the wall
+time from the command's start, and rank 0 says so in its last line and in timing.jsonl. No test here asserts how
+long anything took: only that the clock starts where the command did and that nothing is lost or counted twice."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, tiny
+from mnist_ddp import timing
+
+EXEC_AND_READ_S = 0.5  # launch → the process's start, and its print → our read: milliseconds, unless the box is busy
+
+
+def test_process_start_is_when_the_process_began_not_when_asked() -> None:
+    """The clock's origin is the process's start (before the interpreter ran), not the first call."""
+    before = time.time()
+    probe = ("import time; ran = time.time(); time.sleep(0.3); from mnist_ddp import timing; "
+             "print(ran, timing.process_start())")
+    out = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, check=True)
+    ran, started = map(float, out.stdout.split())
+    tick = 0.02  # /proc/self/stat counts in 1/100 s, rounded down
+    assert before - tick <= started <= ran, (before, started, ran)
+
+
+def test_parts_take_turns_and_add_up() -> None:
+    syncs = []
+    timing.begin(time.time() - 1.0, lambda: syncs.append(1))  # the command started a second ago
+    try:
+        timing.enter("join")
+        timing.enter("data")
+        timing.enter("warm-up")
+        evaluate = timing.charged("evaluation")(lambda: timing._split.part)
+        assert evaluate() == "evaluation" and timing._split.part == "warm-up"  # back where it came from
+        timing.stepped()
+        assert timing._split.part == "training"
+        timing.enter("warm-up")
+        timing.stepped()  # only the run's first step ends the warm-up
+        assert timing._split.part == "warm-up"
+    finally:
+        seconds = timing.finish()
+    assert seconds is not None and timing._split is None and timing.finish() is None
+    assert list(seconds) == [*timing.PARTS, "total"]
+    assert seconds["total"] == pytest.approx(sum(seconds[p] for p in timing.PARTS), rel=1e-12)
+    assert seconds["start"] >= 1.0  # the second before `begin` is the start's
+    assert len(syncs) == 8  # each change of part waits for the device
+    assert timing.line(seconds).startswith(f"time: {seconds['total']:.1f} s = start {seconds['start']:.1f} + join ")
+
+
+def test_outside_a_run_nothing_is_timed() -> None:
+    assert timing.charged("outputs")(lambda x: x + 1)(1) == 2
+    timing.enter("data")
+    timing.stepped()
+    assert timing._split is None and timing.finish() is None
+
+
+@pytest.mark.parametrize("launch", [[], ["-g", "2"]], ids=["one process", "-g 2"])
+def test_a_run_says_where_its_wall_time_went(tmp_path: Path, launch: list[str]) -> None:
+    """The last line is the split, timing.jsonl holds the same numbers, and they add up to the wall time from the
+    command's start (for -g, the launcher's: its imports and the children's start are the run's start too)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mnist_ddp", "train", *tiny(), "--out", str(out), *launch]
+    launched = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = [], None
+    assert p.stdout is not None
+    for line in p.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("time: "):
+            seen = time.perf_counter() - launched
+    assert p.wait(timeout=180) == 0, p.stderr.read() if p.stderr else ""
+    assert seen is not None and lines[-1].startswith("time: ") and lines[-2].startswith("final: "), lines
+    [record] = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
+    assert list(record) == [*timing.PARTS, "total"]
+    assert record["total"] == pytest.approx(sum(record[p] for p in timing.PARTS), rel=1e-12)
+    assert lines[-1] == timing.line(record)
+    assert all(record[p] > 0 for p in ("start", "data", "warm-up", "training", "evaluation", "outputs")), record
+    # Counted from before this run's interpreter started, up to its last line: within the read's delay of our clock.
+    assert seen - EXEC_AND_READ_S <= record["total"] <= seen + 0.02, (seen, record)
+    if not launch:  # a resume (of a finished run: nothing to train) adds its own line
+        r = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=cli_env(), capture_output=True,
+                           text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        records = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
+        assert records[0] == record and len(records) == 2 and list(records[1]) == list(record)
+
+
+
+def test_the_command_exits_as_python_would_less_the_teardown() -> None:
+    """cli.exit_now skips the modules' teardown, not what an exit must do: threads are waited for, exit handlers
+    run, buffered output is written, and the exit code is kept."""
+    probe = ("import atexit, sys, threading, time; from mnist_ddp.cli import exit_now; "
+             "atexit.register(print, 'handler ran'); "
+             "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start(); "
+             "sys.stdout.write('buffered, no newline'); exit_now(3)")
+    r = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and r.stdout == "buffered, no newlinethread done\nhandler ran\n", r
