@@ -283,3 +283,29 @@ def test_the_launcher_sees_its_last_children_end_while_it_looks(codes: tuple[int
         p.join(5)
     assert not waiting.is_alive(), "the launcher still waits after every child ended"
     assert result == [finished]
+
+
+def _freeze() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(1)
+
+
+def test_the_launcher_does_not_wait_for_ever_on_a_child_frozen_for_good() -> None:
+    """A rank frozen for good (SIGSTOP, a machine half gone) is presumed lost and the others finish the run: the
+    launcher must then end too, not wait for the frozen child for ever. One child finishes, the other is frozen;
+    await_every_child returns (the run finished) while the frozen one is still there, for the launcher to stop."""
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=os._exit, args=(0,)), ctx.Process(target=_freeze)]
+    for p in children:
+        p.start()
+    result: list[bool] = []
+    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(children)), daemon=True)
+    try:
+        waiting.start()
+        waiting.join(30)
+        assert not waiting.is_alive(), "the launcher still waits for the frozen child after the run finished"
+        assert result == [True] and children[1].exitcode is None
+    finally:
+        children[1].kill()
+        for p in children:
+            p.join(5)

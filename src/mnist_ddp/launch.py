@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
@@ -263,10 +264,17 @@ class Child(Protocol):
 
 
 def await_every_child(processes: list[Child]) -> bool:
-    """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended; whether
+    """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended, or, once
+    one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it); whether
     some finished the run (else the first failure is the job's). Each wait is on the children it saw running."""
+    finished = None  # when a child was first seen to have finished the run
     while running := [p.sentinel for p in processes if p.exitcode is None]:
-        multiprocessing.connection.wait(running)
+        if finished is None and any(p.exitcode == 0 for p in processes):
+            finished = time.monotonic()
+        left = None if finished is None else finished + SETTLE_S - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        multiprocessing.connection.wait(running, left)
     return any(p.exitcode == 0 for p in processes)
 
 
