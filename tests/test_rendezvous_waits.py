@@ -7,12 +7,13 @@ for peers that never come (inside C++ it would not see them until --timeout), an
 
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import tiny
+from conftest import cli_env, tiny
 from mnist_ddp import rendezvous
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
@@ -73,3 +74,15 @@ def test_the_summary_of_an_error_inside_the_comm_hook_is_the_collectives_own() -
                            "operation to complete. More text.\nA second line.")
     assert rendezvous.error_summary(wrapped) == "Timed out waiting 10000ms for send operation to complete"
     assert rendezvous.error_summary(RuntimeError("[x.cc:1] Connection closed by peer")) == "Connection closed by peer"
+
+
+def test_sigterm_while_the_command_still_starts_is_an_interrupt() -> None:
+    """A SIGTERM (scancel, a container's stop) that comes while the command still starts — parsing its flags,
+    importing torch, before the launcher handles signals — ends it as Ctrl-C does: one line, exit 130, not killed
+    by the signal with nothing said. The moment is made exact: the command sends itself SIGTERM where it would go on
+    to start the run (cli._dispatch)."""
+    code = ("import os, signal, sys; from mnist_ddp import cli; "
+            "cli._dispatch = lambda argv: (os.kill(os.getpid(), signal.SIGTERM), signal.pause()); "
+            "sys.exit(cli.main(['train']))")
+    r = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=HANG)
+    assert (r.returncode, r.stderr.strip()) == (130, "mnist-ddp: interrupted."), (r.returncode, r.stderr)
