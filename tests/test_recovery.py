@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics, progress, run_cli, tiny
+from conftest import metrics, progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, launch, recovery
 from mnist_ddp.config import TrainConfig
+from mnist_ddp.distributed import Dist, PeerFailure
 from mnist_ddp.errors import UserError
 from mnist_ddp.identity import Identity
 from netns import netns_pair
@@ -309,3 +310,26 @@ def test_the_launcher_does_not_wait_for_ever_on_a_child_frozen_for_good() -> Non
         children[1].kill()
         for p in children:
             p.join(5)
+
+
+def _lost_after_the_last_step(d: Dist, said: str) -> None:
+    """Rank 1 leaves for good once both have passed a last collective; rank 0, done too, leaves the group as a
+    finished rank does, and writes what that raised to `said`."""
+    d.all_sum(torch.ones(1))
+    if d.rank == 1:
+        os._exit(0)
+    try:
+        launch.leave_group(d.rank, finished=True)
+        Path(said).write_text("left without a word")
+    except PeerFailure as e:
+        Path(said).write_text(str(e))
+
+
+def test_a_peer_lost_after_the_last_step_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """A rank lost after the run's last collective (rank 0 while it saves the final checkpoint, say) fails the
+    others' last wait for every rank, in a `finally`: one line that says what may be missing, not a traceback."""
+    said = tmp_path / "said"
+    spawn_gloo(_lost_after_the_last_step, 2, str(said))
+    assert said.read_text().startswith("rank 0 lost contact with the other processes after the run's last step ("), \
+        said.read_text()
+    assert "run again with --resume" in said.read_text()

@@ -125,7 +125,22 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False) -> in
                 d.heartbeat.stop(*words)
             if rec:  # after a re-forming, the last generation's heartbeat
                 rec.stop(*words)
-            distributed.teardown(together=finished)
+            leave_group(d.rank, finished)
+
+
+def leave_group(rank: int, finished: bool) -> None:
+    """Leave the process group (distributed.teardown). A rank that finished, whose last wait for the others fails
+    because one was lost after the last step (rank 0, maybe, while it saved the final checkpoint), says so in one
+    line and fails, rather than end in a traceback: the run's end is not known to be saved."""
+    try:
+        distributed.teardown(together=finished)
+    except RuntimeError as e:
+        if not (finished and distributed.is_peer_failure(e)):
+            raise
+        distributed.teardown(together=False)
+        raise PeerFailure(f"rank {rank} lost contact with the other processes after the run's last step "
+                          f"({rendezvous.error_summary(e)}): if rank 0 was lost before it saved the final checkpoint, "
+                          f"run again with --resume to finish from the last one.") from e
 
 
 def _last_words(e: BaseException | None) -> tuple[str, bool]:
