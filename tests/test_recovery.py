@@ -333,3 +333,17 @@ def test_a_peer_lost_after_the_last_step_is_one_line_not_a_traceback(tmp_path: P
     assert said.read_text().startswith("rank 0 lost contact with the other processes after the run's last step ("), \
         said.read_text()
     assert "run again with --resume" in said.read_text()
+
+
+def test_rank_0_lost_once_the_final_checkpoint_is_saved_is_redone(bitwise: dict[str, tuple[Path, str]],
+                                                                  tmp_path: Path) -> None:
+    """Rank 0 lost after the run's last collective, once it saved the final checkpoint (LOSE_VAR at the last step,
+    60): the other rank cannot know whether that save was made, so under --recover every epoch ends in one more
+    all-reduce, which fails inside the loop; the survivor redoes the epoch's end (evaluation, metrics, saves) as
+    rank 0, and the job finishes with the undisturbed bytes and record."""
+    out, calm = tmp_path / "out", bitwise["2"][0]
+    log = _train(out, *ARGS, "--bitwise", "-g", "2", "--recover", lose="0:60")
+    lines = _recover_lines(log)
+    assert len(lines) == 1 and lines[0].startswith("recover: rank 0 (") and "lost at epoch 2, step 31 " in lines[0], log
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
+    _same_record(out, calm)

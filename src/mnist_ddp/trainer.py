@@ -120,6 +120,8 @@ class Trainer:
         self._save(self.ckpt_path)
         if result.accuracy >= best:
             self._save(self.ckpt_path.with_name("best.pt"))
+        if self.recovery:  # --recover: a rank lost while rank 0 saved is lost inside the loop (recovery.py)
+            self.recovery.saved(self)
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
