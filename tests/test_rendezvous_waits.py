@@ -5,6 +5,7 @@ resolve ends rank 0 as it ends the others, at once, with one line; SIGTERM or Ct
 for peers that never come (inside C++ it would not see them until --timeout), and it exits 130.
 """
 
+import multiprocessing
 import signal
 import socket
 import subprocess
@@ -12,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing.spawn import _wrap as torch_wrap
 
 from conftest import cli_env, tiny
-from mnist_ddp import rendezvous
+from mnist_ddp import forkserver, launch, rendezvous
+from mnist_ddp.config import TrainConfig
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
 TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]
@@ -86,3 +89,18 @@ def test_sigterm_while_the_command_still_starts_is_an_interrupt() -> None:
             "sys.exit(cli.main(['train']))")
     r = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=HANG)
     assert (r.returncode, r.stderr.strip()) == (130, "mnist-ddp: interrupted."), (r.returncode, r.stderr)
+
+
+def test_a_worker_interrupted_before_it_runs_ends_130_not_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -g child interrupted in its first moments, before it reaches run_worker (here: as it takes the launcher's
+    environment), must not end with exit 0: torch's wrapper swallows a KeyboardInterrupt, and the launcher reads 0
+    as a rank that finished the run (under --recover, the job's success). It ends as an interrupted rank, 130."""
+    def interrupted(environ: dict[str, str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forkserver, "adopt", interrupted)
+    child = multiprocessing.get_context("fork").Process(target=torch_wrap, args=(
+        launch._spawned, 0, (TrainConfig(), "127.0.0.1", 0, None, None, {}), str(tmp_path / "error")))
+    child.start()
+    child.join(HANG)
+    assert child.exitcode == 130

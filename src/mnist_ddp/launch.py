@@ -219,12 +219,13 @@ class ErrorPipe:
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
              output: Connection, environ: dict[str, str]) -> None:
-    """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
-    forkserver.die_with_launcher()
-    forkserver.adopt(environ)
-    console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
-    ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
+    """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent. Interrupted at
+    any point, also before run_worker, it ends with 130 (torch's wrapper would end it with 0, "finished")."""
     try:
+        forkserver.die_with_launcher()
+        forkserver.adopt(environ)
+        console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
+        ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
         run_worker(ident, cfg)
     except UserError as e:
         reports.put(e)
