@@ -175,8 +175,10 @@ NEVER_ARRIVED = Stop(frozenset({2}), r"could not join the \d+ other process|foun
 # What losing the process that hosts the rendezvous store (node 0's launcher) does, by signal and --recover.
 # `None`: nothing the job notices (a launcher frozen for a while: the workers train on without it). Under -g it
 # is the job; under -n/-nr it ends the job too (docs/design/recovery.md, "The store's host"), and the other
-# node's ranks say they lost contact. The one table to change when a successor takes the store over.
+# node's ranks say they lost contact. "its ranks lost": under -n/-nr, node 0's launcher ends with the last of its
+# own ranks, and the store with it. The one table to change when a successor takes the store over.
 STORE_HOST: dict[tuple[str, bool], Stop | None] = {
+    ("its ranks lost", True): Stop(frozenset({1, 130}), ""),
     ("SIGKILL", False): Stop(frozenset({-9, 1}), ""),
     ("SIGKILL", True): Stop(frozenset({-9, 1}), ""),
     ("SIGTERM", False): Stop(frozenset({130, 1}), r"interrupted|" + LOST_CONTACT),
@@ -232,6 +234,8 @@ def contract(trial: Trial, landed: list[Landed]) -> Expect:
             stops.append(NEVER_ARRIVED)  # a rank lost (or frozen) before it joined is one that never arrived
     if trial.world.recover and lost and len(lost) == trial.world.size:  # nobody left to go on
         stops.append(Stop(frozenset({1, 130, -9}), r"was killed by|stopped answering|" + LOST_CONTACT))
+    if trial.world.recover and trial.world.nodes > 1 and set(range(trial.world.gpus)) <= lost:
+        stops.append(STORE_HOST["its ranks lost", True])
     return Expect(frozenset(lost), tuple(stops), either)
 
 
@@ -536,11 +540,12 @@ class Campaign:
         """Apply the trial's faults at their moments while the job runs, and undo what lasts (a SIGSTOP, a cut)
         when it should; once the job has ended, or outlived `limit` seconds, undo the rest. A worker frozen for good
         is thawed once every other node's launcher has ended: a launcher whose every worker is frozen cannot tell
-        that from a debugger's pause, and waits (docs/faults.md). What each fault hit, and whether the job ended in
-        time."""
+        that from a debugger's pause, and waits (docs/faults.md). A process frozen twice is thawed by the later thaw.
+        What each fault hit, and whether the job ended in time."""
         began, trained = time.monotonic(), None
         landed: list[Landed] = []
-        undo: list[tuple[float, Callable[[], object], int | None]] = []  # (when, how, the frozen worker's node)
+        # (when, how, the frozen worker's node, the frozen pid)
+        undo: list[tuple[float, Callable[[], object], int | None, int | None]] = []
         pending = list(job.trial.faults)
         while job.running() and time.monotonic() < began + limit:
             now = time.monotonic()
@@ -557,16 +562,18 @@ class Campaign:
                     landed.append(hit)
                     if undone is not None:
                         node = f.which // job.trial.world.gpus if f.target == "worker" else None
-                        undo.append((now + f.lasts * TIMEOUT if f.lasts is not None else float("inf"), undone, node))
+                        undo.append((now + f.lasts * TIMEOUT if f.lasts is not None else float("inf"), undone, node,
+                                     hit.pids[0] if hit.pids else None))
             for item in list(undo):
-                due, undone, node = item
+                due, undone, node, pid = item
                 others = [p for n, p in enumerate(job.procs) if n != node]
                 if now >= due or (node is not None and others and all(p.poll() is not None for p in others)):
-                    undone()
                     undo.remove(item)
+                    if not any(pid is not None and u[3] == pid and u[0] > due for u in undo):
+                        undone()
             time.sleep(0.01)
         ended = not job.running()
-        for _, undone, _ in undo:
+        for _, undone, _, _ in undo:
             undone()
         landed += [Landed(f, missed=True) for f in pending]
         return landed, ended
