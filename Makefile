@@ -12,8 +12,12 @@ ARGS ?=
 PYTEST_ARGS ?=
 SOAK ?= 3
 SOAK_MODULES ?=
+SEED ?= 1
+TRIALS ?= 200
+BUDGET ?= 3600
+ONLY ?=
 
-.PHONY: train test lint bench soak clean
+.PHONY: train test lint bench soak chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +50,11 @@ test: lint
 # subset), each run bounded in time; one summary line, and where the failed runs' output was kept (tests/soak.py).
 soak: $(VENV)/.dev
 	$(BIN)/python tests/soak.py --rounds $(SOAK) --modules "$(SOAK_MODULES)"
+
+# Not part of CI: TRIALS seeded fault trials (tests/chaos.py), none started after BUDGET seconds; one line per trial,
+# a table by fault at the end. ONLY=k replays trial k of SEED alone. Needs root for namespaces and the full disk.
+chaos: $(VENV)/.dev
+	$(BIN)/python tests/chaos.py --seed $(SEED) --trials $(TRIALS) --budget $(BUDGET) $(if $(ONLY),--only $(ONLY))
 
 bench: $(VENV)/.plot
 	$(BIN)/mnist-ddp bench $(ARGS)

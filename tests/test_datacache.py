@@ -20,8 +20,8 @@ from mnist_ddp import checkpoint, datasets, synthetic
 from mnist_ddp.config import DataConfig
 
 SEEDS = datasets.SYNTHETIC_SEEDS
-FILES = {f"{split}-{n}-seed{SEEDS[split]}-{part}" for split, n in (("train", 800), ("test", 200))
-         for part in ("images", "labels")}  # TINY's sizes
+FILES = {f"{split}-{n}-seed{SEEDS[split]}-{part}{digest}" for split, n in (("train", 800), ("test", 200))
+         for part in ("images", "labels") for digest in ("", ".sha256")}  # TINY's sizes, each file and its SHA-256
 
 
 def _data_line(stdout: str) -> str:
@@ -80,7 +80,7 @@ def test_the_cache_holds_the_generators_bytes_and_a_damaged_file_is_made_again(
         images, labels = synthetic.generate(50, SEEDS["train"])
         assert torch.equal(first.train.images, images) and torch.equal(first.train.labels, labels)
         files = {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"}
-        assert len(files) == 4
+        assert len(files) == 8  # four files, each with its digest
 
         cached = datasets.load(req)
         assert cached.where.startswith(f"{folder} (cached, read in")
@@ -92,4 +92,20 @@ def test_the_cache_holds_the_generators_bytes_and_a_damaged_file_is_made_again(
         again = datasets.load(req)
     assert again.where.startswith(f"{folder} (made and cached in")
     assert {p: p.read_bytes() for p in folder.iterdir() if p.name != ".lock"} == files
+    _assert_same(again, first)
+
+
+def test_a_cache_file_with_a_flipped_pixel_is_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bit rot in a cached file that still parses as IDX (a pixel flipped: the magic number, sizes and labels all
+    pass): the run must train on the generator's bytes, not on the flipped ones, so the file is made again."""
+    monkeypatch.chdir(tmp_path)
+    req = DataConfig("synthetic", data_dir=Path("given"), train_samples=50, test_samples=20)
+    train_images = Path("given", "synthetic", f"v{synthetic.VERSION}", f"train-50-seed{SEEDS['train']}-images")
+    with one_thread():
+        first = datasets.load(req)
+        raw = bytearray(train_images.read_bytes())
+        raw[16 + 28 * 14 + 14] ^= 0xFF  # the middle pixel of the first image
+        train_images.write_bytes(bytes(raw))
+        again = datasets.load(req)
+    assert "(made and cached in" in again.where, again.where
     _assert_same(again, first)

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics, progress, run_cli, tiny
+from conftest import metrics, progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, launch, recovery
 from mnist_ddp.config import TrainConfig
+from mnist_ddp.distributed import Dist, PeerFailure
 from mnist_ddp.errors import UserError
 from mnist_ddp.identity import Identity
 from netns import netns_pair
@@ -283,3 +284,66 @@ def test_the_launcher_sees_its_last_children_end_while_it_looks(codes: tuple[int
         p.join(5)
     assert not waiting.is_alive(), "the launcher still waits after every child ended"
     assert result == [finished]
+
+
+def _freeze() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(1)
+
+
+def test_the_launcher_does_not_wait_for_ever_on_a_child_frozen_for_good() -> None:
+    """A rank frozen for good (SIGSTOP, a machine half gone) is presumed lost and the others finish the run: the
+    launcher must then end too, not wait for the frozen child for ever. One child finishes, the other is frozen;
+    await_every_child returns (the run finished) while the frozen one is still there, for the launcher to stop."""
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=os._exit, args=(0,)), ctx.Process(target=_freeze)]
+    for p in children:
+        p.start()
+    result: list[bool] = []
+    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(children)), daemon=True)
+    try:
+        waiting.start()
+        waiting.join(30)
+        assert not waiting.is_alive(), "the launcher still waits for the frozen child after the run finished"
+        assert result == [True] and children[1].exitcode is None
+    finally:
+        children[1].kill()
+        for p in children:
+            p.join(5)
+
+
+def _lost_after_the_last_step(d: Dist, said: str) -> None:
+    """Rank 1 leaves for good once both have passed a last collective; rank 0, done too, leaves the group as a
+    finished rank does, and writes what that raised to `said`."""
+    d.all_sum(torch.ones(1))
+    if d.rank == 1:
+        os._exit(0)
+    try:
+        launch.leave_group(d.rank, finished=True)
+        Path(said).write_text("left without a word")
+    except PeerFailure as e:
+        Path(said).write_text(str(e))
+
+
+def test_a_peer_lost_after_the_last_step_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """A rank lost after the run's last collective (rank 0 while it saves the final checkpoint, say) fails the
+    others' last wait for every rank, in a `finally`: one line that says what may be missing, not a traceback."""
+    said = tmp_path / "said"
+    spawn_gloo(_lost_after_the_last_step, 2, str(said))
+    assert said.read_text().startswith("rank 0 lost contact with the other processes after the run's last step ("), \
+        said.read_text()
+    assert "run again with --resume" in said.read_text()
+
+
+def test_rank_0_lost_once_the_final_checkpoint_is_saved_is_redone(bitwise: dict[str, tuple[Path, str]],
+                                                                  tmp_path: Path) -> None:
+    """Rank 0 lost after the run's last collective, once it saved the final checkpoint (LOSE_VAR at the last step,
+    60): the other rank cannot know whether that save was made, so under --recover every epoch ends in one more
+    all-reduce, which fails inside the loop; the survivor redoes the epoch's end (evaluation, metrics, saves) as
+    rank 0, and the job finishes with the undisturbed bytes and record."""
+    out, calm = tmp_path / "out", bitwise["2"][0]
+    log = _train(out, *ARGS, "--bitwise", "-g", "2", "--recover", lose="0:60")
+    lines = _recover_lines(log)
+    assert len(lines) == 1 and lines[0].startswith("recover: rank 0 (") and "lost at epoch 2, step 31 " in lines[0], log
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
+    _same_record(out, calm)

@@ -5,15 +5,19 @@ resolve ends rank 0 as it ends the others, at once, with one line; SIGTERM or Ct
 for peers that never come (inside C++ it would not see them until --timeout), and it exits 130.
 """
 
+import multiprocessing
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing.spawn import _wrap as torch_wrap
 
-from conftest import tiny
-from mnist_ddp import rendezvous
+from conftest import cli_env, tiny
+from mnist_ddp import forkserver, launch, rendezvous
+from mnist_ddp.config import TrainConfig
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
 TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]
@@ -73,3 +77,30 @@ def test_the_summary_of_an_error_inside_the_comm_hook_is_the_collectives_own() -
                            "operation to complete. More text.\nA second line.")
     assert rendezvous.error_summary(wrapped) == "Timed out waiting 10000ms for send operation to complete"
     assert rendezvous.error_summary(RuntimeError("[x.cc:1] Connection closed by peer")) == "Connection closed by peer"
+
+
+def test_sigterm_while_the_command_still_starts_is_an_interrupt() -> None:
+    """A SIGTERM (scancel, a container's stop) that comes while the command still starts — parsing its flags,
+    importing torch, before the launcher handles signals — ends it as Ctrl-C does: one line, exit 130, not killed
+    by the signal with nothing said. The moment is made exact: the command sends itself SIGTERM where it would go on
+    to start the run (cli._dispatch)."""
+    code = ("import os, signal, sys; from mnist_ddp import cli; "
+            "cli._dispatch = lambda argv: (os.kill(os.getpid(), signal.SIGTERM), signal.pause()); "
+            "sys.exit(cli.main(['train']))")
+    r = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=HANG)
+    assert (r.returncode, r.stderr.strip()) == (130, "mnist-ddp: interrupted."), (r.returncode, r.stderr)
+
+
+def test_a_worker_interrupted_before_it_runs_ends_130_not_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -g child interrupted in its first moments, before it reaches run_worker (here: as it takes the launcher's
+    environment), must not end with exit 0: torch's wrapper swallows a KeyboardInterrupt, and the launcher reads 0
+    as a rank that finished the run (under --recover, the job's success). It ends as an interrupted rank, 130."""
+    def interrupted(environ: dict[str, str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forkserver, "adopt", interrupted)
+    child = multiprocessing.get_context("fork").Process(target=torch_wrap, args=(
+        launch._spawned, 0, (TrainConfig(), "127.0.0.1", 0, None, None, {}), str(tmp_path / "error")))
+    child.start()
+    child.join(HANG)
+    assert child.exitcode == 130

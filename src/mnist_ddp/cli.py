@@ -8,9 +8,11 @@ tests (and shells) can rely on the exit code. Exit codes: 0 done, 1 a worker fai
 import argparse
 import atexit
 import os
+import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -337,10 +339,27 @@ def _dispatch(argv: list[str]) -> int:
     return infer.run_evaluate(cfg) if isinstance(cfg, EvalConfig) else infer.run_predict(cfg)
 
 
+@contextmanager
+def _terminate_interrupts() -> Iterator[None]:
+    """For the block, SIGTERM (scancel, `kill`, a container's stop) raises KeyboardInterrupt as Ctrl-C does, from the
+    start: the launcher's own handler comes only after seconds of importing torch. Main thread only (where handlers
+    can be set), and only where SIGTERM has its default action (one set to be ignored stays ignored)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit code."""
     try:
-        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        with _terminate_interrupts():
+            return _dispatch(list(sys.argv[1:] if argv is None else argv))
     except (UserError, KeyboardInterrupt) as e:
         line, code = last_word(e)
         print(line, file=sys.stderr)

@@ -3,12 +3,14 @@
 Generating the synthetic digits costs seconds of CPU; when every local process did it at once on the
 same few cores, start-up took longer than an epoch. Now the first process to take the folder's lock
 makes the tensors (with all the cores: the others only wait), writes each as a plain IDX file
-(`atomic.write`: the real name never holds half a file) and the others read them back, which
-takes a fraction of a second. A file that fails the IDX checks is made again rather than trusted.
+(`atomic.write`: the real name never holds half a file) with its SHA-256 beside it, and the others read
+them back, which takes a fraction of a second. A file that does not match its digest (a flipped bit still
+parses as IDX) or fails the IDX checks is made again rather than trusted.
 Where the folder cannot be written, each process makes its own, as before.
 """
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -47,13 +49,24 @@ def all_cores() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _digest(path: Path) -> Path:
+    """Where the SHA-256 of cached file `path` is kept."""
+    return path.with_name(f"{path.name}.sha256")
+
+
 def _read(folder: Path, names: tuple[str, ...]) -> Tensors | None:
-    """The files of a complete earlier make, or None if any is missing or fails the IDX checks."""
+    """The files of a complete earlier make, or None if any is missing, does not match its digest or fails the
+    IDX checks."""
+    found = {}
     try:
-        return {name: idx.read(folder / name, idx.IMAGES_MAGIC if "images" in name else idx.LABELS_MAGIC)
-                for name in names}
-    except UserError:  # missing, truncated or corrupt: make it again
+        for name in names:
+            raw = (folder / name).read_bytes()
+            if hashlib.sha256(raw).hexdigest() != _digest(folder / name).read_text().strip():
+                return None
+            found[name] = idx.parse(raw, idx.IMAGES_MAGIC if "images" in name else idx.LABELS_MAGIC, name)
+    except (OSError, UnicodeDecodeError, UserError):  # missing, truncated or corrupt: make it again
         return None
+    return found
 
 
 def shared(folder: Path, names: tuple[str, ...], make: Callable[[], Tensors]) -> tuple[Tensors, str]:
@@ -77,7 +90,10 @@ def shared(folder: Path, names: tuple[str, ...], make: Callable[[], Tensors]) ->
             with all_cores():
                 made = make()
             for name in names:  # each file whole or absent, even after a crash; a killed maker's temp files go
-                atomic.write(folder / name, lambda f, data=made[name]: f.write(idx.encode(data)))
+                raw = idx.encode(made[name])
+                sha = hashlib.sha256(raw).hexdigest().encode()
+                atomic.write(folder / name, lambda f, raw=raw: f.write(raw))  # the digest last: a maker killed
+                atomic.write(_digest(folder / name), lambda f, sha=sha: f.write(sha))  # in between leaves a mismatch
             return made, f"{folder} (made and cached in {took()})"
     except (OSError, WriteFailed) as e:  # read-only or full: each process makes its own, on its share of the cores
         made = made if made is not None else make()  # made already if only the writing failed

@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -135,8 +136,28 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 d.heartbeat.stop(*words)
             if rec:  # after a re-forming, the last generation's heartbeat
                 rec.stop(*words)
-            if not distributed.teardown(together=finished):
+            if not leave_group(d.rank if d else ident.rank, finished, report):
                 _leave_now(sys.exc_info()[1], told=report is not None)
+
+
+def leave_group(rank: int, finished: bool, report: Callable[[UserError], None] | None = None) -> bool:
+    """Leave the process group (distributed.teardown); whether it closed. A rank that finished, whose last wait for
+    the others fails because one was lost after the last step (rank 0, maybe, while it saved the final checkpoint),
+    says so in one line (reported, as run_worker reports) and fails, rather than end in a traceback: the run's end
+    is not known to be saved."""
+    try:
+        return distributed.teardown(together=finished)
+    except RuntimeError as e:
+        if not (finished and distributed.is_peer_failure(e)):
+            raise
+        failure = PeerFailure(f"rank {rank} lost contact with the other processes after the run's last step "
+                              f"({rendezvous.error_summary(e)}): if rank 0 was lost before it saved the final "
+                              f"checkpoint, run again with --resume to finish from the last one.")
+        if report:
+            report(failure)
+        if not distributed.teardown(together=False):
+            _leave_now(failure, told=report is not None)
+        raise failure from e
 
 
 @contextmanager
@@ -236,12 +257,13 @@ class ErrorPipe:
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
              output: Connection, environ: dict[str, str], began: float | None = None) -> None:
-    """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
-    forkserver.die_with_launcher()
-    forkserver.adopt(environ)
-    console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
-    ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
+    """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent. Interrupted at
+    any point, also before run_worker, it ends with 130 (torch's wrapper would end it with 0, "finished")."""
     try:
+        forkserver.die_with_launcher()
+        forkserver.adopt(environ)
+        console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
+        ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
         run_worker(ident, cfg, report=reports.put, began=began)
     except UserError as e:
         _leave(e.exit_code)
@@ -306,10 +328,17 @@ class Child(Protocol):
 
 
 def await_every_child(processes: list[Child]) -> bool:
-    """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended; whether
+    """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended, or, once
+    one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it); whether
     some finished the run (else the first failure is the job's). Each wait is on the children it saw running."""
+    finished = None  # when a child was first seen to have finished the run
     while running := [p.sentinel for p in processes if p.exitcode is None]:
-        multiprocessing.connection.wait(running)
+        if finished is None and any(p.exitcode == 0 for p in processes):
+            finished = time.monotonic()
+        left = None if finished is None else finished + SETTLE_S - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        multiprocessing.connection.wait(running, left)
     return any(p.exitcode == 0 for p in processes)
 
 

@@ -9,6 +9,7 @@ first, `take_in` lets a replacement of a lost rank join at a step boundary (`gro
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -31,7 +32,8 @@ from .snapshot import Snapshots
 from .state import Progress, Stretch, Training
 from .steps import PartStats
 
-# Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins.
+# Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins
+# (S the run's last step: once the final checkpoint is saved).
 LOSE_VAR = "MNIST_DDP_TEST_LOSE"
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.
 JOIN_VAR = "MNIST_DDP_TEST_JOIN"
@@ -161,6 +163,14 @@ class Recovery:
         return (f"{loop.d.world_size} process{'es' if many else ''} re-formed as generation {self.generation} in "
                 f"{time.perf_counter() - began:.2f} s and go{'' if many else 'es'} on from there"
                 f"{': ' + how if how else ''}")
+
+    def saved(self, loop: Loop) -> None:
+        """After an epoch's saves: one small all-reduce, so that a rank lost after the epoch's last collective (rank 0
+        while it saves) is lost inside the loop, which goes back and redoes the epoch's end, its saves included,
+        rather than after the run's last step, where nothing could (docs/design/recovery.md)."""
+        if loop.t.progress.epoch == loop.cfg.recipe.epochs and loop.steps_done in self.doomed:  # tests only
+            os.kill(os.getpid(), signal.SIGKILL)
+        loop.d.all_sum(torch.zeros((), device=loop.d.device))
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop the heartbeat of the last generation, if the run re-formed (`Heartbeat.stop`)."""

@@ -97,9 +97,7 @@ class Trainer:
             net = self._wrap()
         if self.cfg.target_accuracy is not None:
             self.target_outcome = "missed"
-        if result is None:  # resumed a finished run: nothing left to train, so just report
-            result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
-        return result
+        return result or evaluate(self.t.model, self.test_batches, self.d, self.amp)  # None: a finished run resumed
 
     def _wrap(self) -> nn.Module:
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
@@ -124,6 +122,8 @@ class Trainer:
         best = max(self.t.progress.best_accuracy, result.accuracy)
         self.t.progress = Progress(epoch=epoch + 1, best_accuracy=best)
         self._save(best=result if result.accuracy >= best else None)
+        if self.recovery:  # --recover: a rank lost while rank 0 saved is lost inside the loop (recovery.py)
+            self.recovery.saved(self)
         return result
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
