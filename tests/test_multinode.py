@@ -93,7 +93,7 @@ def _check(nodes: list[tuple[int, str]], outs: tuple[Path, Path], reference: tup
     assert "world size 4" in nodes[0][1]
     assert not outs[1].exists(), f"node 1 wrote {sorted(p.name for p in outs[1].rglob('*'))}"  # rank 0 only
     assert {p.name for p in outs[0].iterdir()} == {"checkpoint.pt", "checkpoint.prev.pt", "best.pt", "metrics.jsonl",
-                                                   "model.safetensors"}
+                                                   "model.safetensors", "timing.jsonl"}
     assert [m["world_size"] for m in metrics(outs[0])] == [4, 4]
     ref_run, ref_out = reference
     rc, log = ref_run.wait()

@@ -79,7 +79,7 @@ def test_twenty_runs_leak_no_port_process_or_file(tmp_path: Path) -> None:
             kept = kept or held
             assert held == kept and all(len(h) <= 1 for h in held), f"run {run}: listening sockets {held}"
             assert sorted(p.name for p in out.iterdir()) == ["best.pt", "checkpoint.pt", "metrics.jsonl",
-                                                             "model.safetensors"], run
+                                                             "model.safetensors", "timing.jsonl"], run
         # Open files settle after the first runs (lazy imports, thread pools) and then stay flat.
         assert fds[-1] == fds[2], fds
         assert [p for p in private_tmp.rglob("*") if p.is_file()] == []  # (torch may make an empty cache dir)
