@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from . import untrusted
+from . import rendezvous, untrusted
 
 T = TypeVar("T")
 BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
@@ -62,9 +62,10 @@ def _fate(beat: dict) -> str:
             "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
 
 
-def gone(beat: dict) -> bool:
-    """Whether the process that published `beat` is known to have ended: it ran on this machine and /proc says so."""
-    return beat["node"] == _node() and _fate(beat).startswith("gone")
+def gone(beat: dict, stopped: bool = False) -> bool:
+    """Whether the process that published `beat` is known to have ended (or, `stopped`, to be stopped: SIGSTOP, a
+    debugger): it ran on this machine and /proc says so."""
+    return beat["node"] == _node() and _fate(beat).startswith(("gone", "stopped") if stopped else "gone")
 
 
 def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
@@ -134,14 +135,25 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self.stopped:
-            with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
+            try:
                 self._beat()
                 if len(self.roster) < self.world:
                     self.roster = {**self._read()[0], **self.roster}
                 if self.store_host not in (None, self.rank) and self.store.check([VERDICT]):
                     self.verdict = untrusted.text(self.store.get(VERDICT), limit=2000)
+            except (RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
+                if self._store_gone():  # its port refuses: no beat reaches it again (and each try logs a C++ trace)
+                    self.store_silent = True
+                    return
             self.wake.wait(self.interval)
             self.wake.clear()
+
+    def _store_gone(self) -> bool:
+        """Whether the store's port refuses connections: the process that held it is gone."""
+        store = self.store
+        while hasattr(store, "underlying_store"):  # PrefixStores, down to the TCPStore
+            store = store.underlying_store
+        return rendezvous.reached(store.host, store.port, 0) is False
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop beating, leaving a last record that says why this rank left, and whether that is a failure of

@@ -44,6 +44,7 @@ from . import (
     outdir,
     recovery,
     rendezvous,
+    successor,
     tb,
     tracking,
     trainer,
@@ -225,12 +226,12 @@ class ErrorPipe:
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
-             output: Connection, environ: dict[str, str]) -> None:
+             output: Connection, environ: dict[str, str], standby: tuple[str, int] | None) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent."""
     forkserver.die_with_launcher()
     forkserver.adopt(environ)
     console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
-    ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
+    ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port, standby)
     try:
         run_worker(ident, cfg, report=reports.put)
     except UserError as e:
@@ -298,17 +299,21 @@ def spawn(cfg: TrainConfig) -> int:
     addr = cfg.master_addr or "127.0.0.1"
     if cfg.nodes == 1:
         cfg = replace(cfg, secret=secrets.token_bytes(32))
-    store = None
+    store, standby = None, None
     with _signals_interrupt(), console.relay() as output:
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout),
                                           one_node=cfg.nodes == 1)
+        elif cfg.recover:  # where the others meet again should node 0's launcher be lost (successor.py)
+            standby = successor.Standby(addr, cfg.world_size, Credentials(cfg.secret or b"", run_settings(
+                cfg, cfg.world_size)), timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
         forkserver.start()  # already running when started from the command line (cli.py)
         reports = ErrorPipe()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ)),
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ),
+                                                      standby and standby.where),
                                       nprocs=cfg.gpus, join=False, start_method="forkserver")
         workers = forkserver.Workers([p.pid for p in children.processes])
         try:
@@ -336,6 +341,8 @@ def spawn(cfg: TrainConfig) -> int:
                     if e.signal_name == "SIGABRT" else ""
                 after = ("under --recover the other nodes go on without this node's ranks: run the same command "
                          "again to rejoin them (once the job has ended, with --resume)" if cfg.recover and cfg.node_rank
+                         else "under --recover the other nodes go on without this node, at node 1's store or the "
+                         "next one's: once the job has ended, run again with --resume" if cfg.recover and cfg.nodes > 1
                          else "the other processes were stopped. Run again with --resume to continue from the last "
                          "checkpoint")
                 raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; {after}.") \
@@ -348,7 +355,9 @@ def spawn(cfg: TrainConfig) -> int:
             raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None
         finally:
             workers.stop(GRACE_S)  # however it ends, no worker outlives this (after success: all have ended)
-            del store  # closes node 0's listening port now, not whenever the exception is freed
+            if standby is not None:
+                standby.close()
+            del store, standby  # closes the listening ports now, not whenever the exception is freed
     return 0
 
 

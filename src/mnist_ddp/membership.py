@@ -84,6 +84,12 @@ def _mac(secret: bytes, *fields: Any) -> str:
     return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
 
+def vouch(creds: Credentials, *fields: Any) -> str:
+    """HMAC-SHA256 over `fields` and the run's digest, keyed with the job's secret: what only this job's processes
+    can write (successor.py)."""
+    return _mac(creds.secret, *fields, _digest(creds.run))
+
+
 def _sign(c: CheckIn, secret: bytes) -> str:
     return _mac(secret, "check-in", c.nonce, c.rank, _digest(c.run), c.addr, c.host, c.pid)
 
@@ -171,7 +177,7 @@ def _check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: 
     """Check in as `ident.rank` and wait for rank 0's verdict; the token and nonce of the admitted check-in."""
     nonce = _wait(lambda: _nonce(store), deadline, lambda: "rank 0 never opened the check-in")
     token = secrets.token_hex(16)
-    c = CheckIn(ident.rank, _address_towards(ident.master_addr), socket.gethostname(), os.getpid(), nonce,
+    c = CheckIn(ident.rank, address_towards(ident.master_addr), socket.gethostname(), os.getpid(), nonce,
                 dict(creds.run), "")
     store.set(CHECKIN + token, json.dumps(asdict(replace(c, mac=_sign(c, creds.secret)))))
     admitted = f"admitted {_mac(creds.secret, 'admitted', nonce, token, ident.rank)}".encode()
@@ -304,7 +310,7 @@ def _wait(ready: Callable[[], T | None], deadline: float, what: Callable[[], str
     return value
 
 
-def _address_towards(addr: str) -> str:
+def address_towards(addr: str) -> str:
     """This machine's address on the way to `addr` (what the job's refusal line names)."""
     try:
         family, _, _, _, target = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
