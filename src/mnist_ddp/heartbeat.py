@@ -68,7 +68,7 @@ def gone(beat: dict, stopped: bool = False) -> bool:
     return beat["node"] == _node() and _fate(beat).startswith(("gone", "stopped") if stopped else "gone")
 
 
-def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
+def bounded(fn: Callable[[], T], seconds: float) -> T | None:
     """`fn()`, or None if it raised a store error or did not return within `seconds`: a TCPStore call may wait
     for a frozen host without end (docs/design/heartbeat.md)."""
     found: list[T] = []
@@ -114,10 +114,10 @@ class Heartbeat:
     def mark_left(self, rank: int, left: str) -> None:
         """Write `rank`'s last record for it, as a departure that is not its own failure: for a rank that could
         not (killed by a signal) and is known to be no culprit, so that no diagnosis names it as silent."""
-        read = _bounded(self._read, BEAT_WAIT_S)  # (readable beats, unreadable ones), or None: no answer
+        read = bounded(self._read, BEAT_WAIT_S)  # (readable beats, unreadable ones), or None: no answer
         beat = read[0].get(rank) if read else None
         if beat:
-            _bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
+            bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
                      BEAT_WAIT_S)
 
     def set_phase(self, phase: str, epoch: int = 0, step: int = 0) -> None:
@@ -153,7 +153,7 @@ class Heartbeat:
         store = self.store
         while hasattr(store, "underlying_store"):  # PrefixStores, down to the TCPStore
             store = store.underlying_store
-        return rendezvous.reached(store.host, store.port, 0) is False
+        return isinstance(store, dist.TCPStore) and rendezvous.reached(store.host, store.port, 0) is False
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop beating, leaving a last record that says why this rank left, and whether that is a failure of
@@ -162,7 +162,7 @@ class Heartbeat:
         self.wake.set()
         self.thread.join(timeout=BEAT_WAIT_S)
         if not self.store_silent:
-            _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
+            bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
         if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
 
@@ -189,13 +189,13 @@ class Heartbeat:
     def diagnose(self) -> str:
         """Name the ranks that stopped answering: host, pid, dead or frozen, what they were last doing; '' when
         nothing points at anyone. Takes about three beats (the records are read twice), and never hangs: a
-        frozen store host leaves reads unanswered past their timeout (`_bounded`)."""
-        first = _bounded(self._read, BEAT_WAIT_S)
-        found = first and _bounded(lambda: self._diagnose(first[0]),
+        frozen store host leaves reads unanswered past their timeout (`bounded`)."""
+        first = bounded(self._read, BEAT_WAIT_S)
+        found = first and bounded(lambda: self._diagnose(first[0]),
                                    self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
         if found is not None:
             if found and self.store_host == self.rank:  # for ranks that hear of the failure only as this one leaves
-                _bounded(lambda: self.store.set(VERDICT, found), BEAT_WAIT_S)
+                bounded(lambda: self.store.set(VERDICT, found), BEAT_WAIT_S)
             return found
         self.store_silent = True
         if self.store_host is None:

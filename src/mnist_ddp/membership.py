@@ -30,6 +30,7 @@ PLACE = "mnist_ddp/place/"  # + a replacement's token: the re-formed world it jo
 _HEX32 = re.compile(rb"[0-9a-f]{32}")
 MAX_CHECKIN = 16384  # bytes: a real check-in is a few hundred
 RELIST_S = 2.0  # a candidate without an answer lists its token again (a stray write may have erased the list)
+UNKNOWN_ADDRESS = "unknown address"  # what `address_towards` says where no route leads to the master
 SHOWN = 20  # refusal lines printed, the last saying so: a flood of check-ins is not echoed line by line
 
 
@@ -318,4 +319,4 @@ def address_towards(addr: str) -> str:
             s.connect(target)  # a UDP connect sends nothing: the kernel only picks the route
             return s.getsockname()[0]
     except OSError:
-        return "unknown address"
+        return UNKNOWN_ADDRESS

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from . import membership, rendezvous, untrusted
 from .distributed import Dist, PeerFailure
-from .heartbeat import BEAT_WAIT_S, gone
+from .errors import UserError
+from .heartbeat import BEAT_WAIT_S, bounded, gone
 from .identity import Identity
 
 CHALLENGES = "mnist_ddp/successor/challenges"  # a queue: each survivor pushes a random token onto it
@@ -43,6 +44,9 @@ class Standby:
 
     def __init__(self, master_addr: str, world: int, creds: membership.Credentials, timeout: timedelta) -> None:
         addr = membership.address_towards(master_addr)  # where gloo listens too: the interface the others reach
+        if addr == membership.UNKNOWN_ADDRESS:
+            raise UserError(f"this node cannot tell its own address on the way to the master address {master_addr} "
+                            f"(no route to it?), where --recover's standby store would listen; check --master-addr.")
         self.store = rendezvous.host_store(addr, 0, world, timeout, one_node=False)  # port 0: the kernel picks
         self.where, self.creds, self.closed = (addr, self.store.port), creds, False
         self.thread = threading.Thread(target=self._answer, name="mnist-ddp standby", daemon=True)
@@ -103,9 +107,8 @@ class Succession:
             if self.gone((addr, port)):
                 self.ended.add(node)  # refused: that launcher has ended too
                 continue
-            store = dist.TCPStore(addr, port, is_master=False,
-                                  timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-            if not self._proven(store, (addr, port), deadline):
+            store = self._proven((addr, port), deadline)
+            if store is None:
                 raise PeerFailure(f"rank {self.ident.rank} refused the store at {addr}:{port} as node {node}'s "
                                   f"successor to the lost rendezvous store: its host did not prove that it holds the "
                                   f"job's secret, so it is not node {node}'s launcher; the job stops. Run again with "
@@ -119,14 +122,23 @@ class Succession:
                           f"node's launcher is left to take it over; the job stops. Run again with --resume to "
                           f"continue from the last checkpoint.")
 
-    def _proven(self, store: dist.Store, where: tuple[str, int], deadline: float) -> bool:
+    def _proven(self, where: tuple[str, int], deadline: float) -> dist.Store | None:
+        """A client of the store at `where` once its host answered a random challenge as only a holder of the job's
+        secret can; None if it answers otherwise, or not by the deadline (a TCPStore client waits without end for a
+        host that accepts and never answers: `bounded`)."""
         token = secrets.token_hex(16)
-        store.queue_push(CHALLENGES, token)
-        while time.monotonic() < deadline:
-            if store.check([PROOF + token]):
-                return hmac.compare_digest(store.get(PROOF + token), proof(self.creds, token, where).encode())
-            time.sleep(POLL_S)
-        return False
+
+        def ask() -> dist.Store | None:
+            store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=max(1.0, deadline -
+                                                                                           time.monotonic())))
+            store.queue_push(CHALLENGES, token)
+            while time.monotonic() < deadline:
+                if store.check([PROOF + token]):
+                    answer = store.get(PROOF + token)
+                    return store if hmac.compare_digest(answer, proof(self.creds, token, where).encode()) else None
+                time.sleep(POLL_S)
+            return None
+        return bounded(ask, max(0.0, deadline - time.monotonic()) + BEAT_WAIT_S)
 
     def agree(self, store: dist.Store, generation: int, members: list[int], position: int,
               roster: dict[int, dict], deadline: float) -> tuple[int, list[int], int, list[int]]:
