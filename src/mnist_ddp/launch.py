@@ -339,12 +339,13 @@ def spawn(cfg: TrainConfig) -> int:
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
                 hint = " (on a GPU, NCCL's watchdog ends a rank so when a collective fails: see its log)" \
                     if e.signal_name == "SIGABRT" else ""
-                after = ("under --recover the other nodes go on without this node's ranks: run the same command "
-                         "again to rejoin them (once the job has ended, with --resume)" if cfg.recover and cfg.node_rank
-                         else "under --recover the other nodes go on without this node, at node 1's store or the "
-                         "next one's: once the job has ended, run again with --resume" if cfg.recover and cfg.nodes > 1
-                         else "the other processes were stopped. Run again with --resume to continue from the last "
-                         "checkpoint")
+                after = "the other processes were stopped. Run again with --resume to continue from the last checkpoint"
+                if cfg.recover and cfg.node_rank:
+                    after = ("under --recover the other nodes go on without this node's ranks: run the same command "
+                             "again to rejoin them (once the job has ended, with --resume)")
+                elif cfg.recover and cfg.nodes > 1:  # this launcher held the store (successor.py)
+                    after = ("under --recover the other nodes go on without this node, whose launcher held the "
+                             "rendezvous store: the next node's takes it over, and the new rank 0 writes its --out")
                 raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; {after}.") \
                     from None
             cause = reports.cause()
