@@ -172,15 +172,13 @@ class Stop:
 LOST_CONTACT = r"lost contact with the other processes"
 # A peer that never arrives: every process gives up within --timeout, exit 2, saying whom it waited for.
 NEVER_ARRIVED = Stop(frozenset({2}), r"could not join the \d+ other process|found nobody listening")
-# What losing the process that hosts the rendezvous store (node 0's launcher) does, by signal and --recover.
-# `None`: nothing the job notices (a launcher frozen for a while: the workers train on without it). Under -g it
-# is the job; under -n/-nr it ends the job too (docs/design/recovery.md, "The store's host"), and the other
-# node's ranks say they lost contact. "its ranks lost": under -n/-nr, node 0's launcher ends with the last of its
-# own ranks, and the store with it. The one table to change when a successor takes the store over.
+# What losing the process that hosts the rendezvous store (node 0's launcher) does where no successor takes the
+# store over: under -g (the launcher is the job) and without --recover. `None`: nothing the job notices (a launcher
+# frozen for a while: the workers train on without it). Under -n/-nr with --recover the launcher of node 1 holds a
+# standby store, and the survivors go on there without node 0's ranks (docs/design/recovery.md, "The store's host").
 STORE_HOST: dict[tuple[str, bool], Stop | None] = {
-    ("its ranks lost", True): Stop(frozenset({1, 130}), ""),
-    ("SIGKILL", False): Stop(frozenset({-9, 1}), ""),
-    ("SIGKILL", True): Stop(frozenset({-9, 1}), ""),
+    ("SIGKILL", False): Stop(frozenset({-9, 1}), LOST_CONTACT),  # said by the other node's ranks, if any
+    ("SIGKILL", True): Stop(frozenset({-9, 1}), LOST_CONTACT),
     ("SIGTERM", False): Stop(frozenset({130, 1}), r"interrupted|" + LOST_CONTACT),
     ("SIGTERM", True): Stop(frozenset({130, 1}), r"interrupted|" + LOST_CONTACT),
     ("SIGINT", False): Stop(frozenset({130, 1}), r"interrupted|" + LOST_CONTACT),
@@ -234,8 +232,6 @@ def contract(trial: Trial, landed: list[Landed]) -> Expect:
             stops.append(NEVER_ARRIVED)  # a rank lost (or frozen) before it joined is one that never arrived
     if trial.world.recover and lost and len(lost) == trial.world.size:  # nobody left to go on
         stops.append(Stop(frozenset({1, 130, -9}), r"was killed by|stopped answering|" + LOST_CONTACT))
-    if trial.world.recover and trial.world.nodes > 1 and set(range(trial.world.gpus)) <= lost:
-        stops.append(STORE_HOST["its ranks lost", True])
     return Expect(frozenset(lost), tuple(stops), either)
 
 
@@ -247,6 +243,8 @@ def effect(hit: Landed, w: World, recover: bool) -> tuple[set[int], Stop | None]
     if f.damage:  # the job was stopped with Ctrl-C, to damage a file before the resume
         return set(), Stop(frozenset({130, 1}), "interrupted|" + LOST_CONTACT)
     if f.target == "store host":
+        if recover and w.nodes > 1 and f.how != "SIGSTOP":  # node 0's ranks end with it; node 1's go on
+            return set(range(w.gpus)), None
         return set(), STORE_HOST[f.how, recover]
     if f.target in ("worker", "launcher"):
         if f.how == "SIGSTOP" and (f.target == "launcher" or not frozen_long):

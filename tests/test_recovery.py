@@ -10,6 +10,7 @@ micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
 import multiprocessing
 import multiprocessing.process
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,6 +115,33 @@ def test_two_machines_lose_a_rank_each_and_save_the_same_bytes(bitwise: dict[str
     # rank 0 was lost: the new rank 0, rank 1 on node 0, wrote the rest of --out there
     assert checkpoint.digest(_model(outs[0])) == checkpoint.digest(_model(bitwise["4"][0]))
     _same_record(outs[0], bitwise["4"][0])
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_node_0s_launcher_is_lost_and_node_1s_takes_the_store_over(bitwise: dict[str, tuple[Path, str]],
+                                                                   tmp_path: Path, gpus: int) -> None:
+    """-n 2 -g G on two network namespaces: node 0's launcher, which holds the store, is SIGKILLed where step 3
+    begins ("0:2:launcher") and node 0's ranks end with it; node 1's meet at the standby store node 1's launcher
+    held from the start, once it proved it holds the job's secret, and finish the run in node 1's --out with the
+    undisturbed run's bytes."""
+    addrs = ("10.79.2.1", "10.79.2.2")
+    env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret", recovery.LOSE_VAR: "0:2:launcher"})
+    outs = [tmp_path / f"node{n}-disk" for n in range(2)]
+    with netns_pair(f"msuc-{uuid.uuid4().hex[:6]}", addrs) as names, reaped(mark):
+        nodes = [start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "-n", "2", "-g", str(gpus), "-nr",
+                        str(n), "--master-addr", addrs[0], "--master-port", "29421", "--out", str(outs[n])], env,
+                       tmp_path, tmp_path / f"node{n}.log", prefix=["ip", "netns", "exec", names[n]]) for n in range(2)]
+        results = [finish(p, tmp_path / f"node{n}.log", RUN_TIMEOUT) for n, p in enumerate(nodes)]
+    assert results[0][0] == -signal.SIGKILL, results[0][1]
+    assert results[1][0] == 0, results[1][1]
+    lines = _recover_lines(results[1][1])
+    assert len(lines) == 1 and "lost at epoch 1," in lines[0], lines
+    assert re.findall(r"rank (\d+) \(", lines[0].split(" lost at")[0]) == [str(r) for r in range(gpus)], lines
+    assert (f"node 0's launcher, which held the rendezvous store, is gone: node 1's ({addrs[1]}:" in lines[0]
+            and "re-formed as generation 1 " in lines[0]), lines
+    calm = bitwise[str(2 * gpus)][0]
+    assert checkpoint.digest(_model(outs[1])) == checkpoint.digest(_model(calm))
+    _same_record(outs[1], calm)
 
 
 def test_the_runs_differ_where_they_should(bitwise: dict[str, tuple[Path, str]]) -> None:

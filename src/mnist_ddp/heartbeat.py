@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from . import untrusted
+from . import rendezvous, untrusted
 
 T = TypeVar("T")
 BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
@@ -62,12 +62,13 @@ def _fate(beat: dict) -> str:
             "system)"}.get(state, "alive but silent (hung with its heartbeat thread: stuck holding Python's lock?)")
 
 
-def gone(beat: dict) -> bool:
-    """Whether the process that published `beat` is known to have ended: it ran on this machine and /proc says so."""
-    return beat["node"] == _node() and _fate(beat).startswith("gone")
+def gone(beat: dict, stopped: bool = False) -> bool:
+    """Whether the process that published `beat` is known to have ended (or, `stopped`, to be stopped: SIGSTOP, a
+    debugger): it ran on this machine and /proc says so."""
+    return beat["node"] == _node() and _fate(beat).startswith(("gone", "stopped") if stopped else "gone")
 
 
-def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
+def bounded(fn: Callable[[], T], seconds: float) -> T | None:
     """`fn()`, or None if it raised a store error or did not return within `seconds`: a TCPStore call may wait
     for a frozen host without end (docs/design/heartbeat.md)."""
     found: list[T] = []
@@ -113,10 +114,10 @@ class Heartbeat:
     def mark_left(self, rank: int, left: str) -> None:
         """Write `rank`'s last record for it, as a departure that is not its own failure: for a rank that could
         not (killed by a signal) and is known to be no culprit, so that no diagnosis names it as silent."""
-        read = _bounded(self._read, BEAT_WAIT_S)  # (readable beats, unreadable ones), or None: no answer
+        read = bounded(self._read, BEAT_WAIT_S)  # (readable beats, unreadable ones), or None: no answer
         beat = read[0].get(rank) if read else None
         if beat:
-            _bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
+            bounded(lambda: self.store.set(str(rank), json.dumps({**beat, "left": left, "culprit": False})),
                      BEAT_WAIT_S)
 
     def set_phase(self, phase: str, epoch: int = 0, step: int = 0) -> None:
@@ -134,14 +135,25 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self.stopped:
-            with suppress(RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
+            try:
                 self._beat()
                 if len(self.roster) < self.world:
                     self.roster = {**self._read()[0], **self.roster}
                 if self.store_host not in (None, self.rank) and self.store.check([VERDICT]):
                     self.verdict = untrusted.text(self.store.get(VERDICT), limit=2000)
+            except (RuntimeError, OSError):  # the store's host is gone or frozen: keep trying, diagnose() says so
+                if self._store_gone():  # its port refuses: no beat reaches it again (and each try logs a C++ trace)
+                    self.store_silent = True
+                    return
             self.wake.wait(self.interval)
             self.wake.clear()
+
+    def _store_gone(self) -> bool:
+        """Whether the store's port refuses connections: the process that held it is gone."""
+        store = self.store
+        while hasattr(store, "underlying_store"):  # PrefixStores, down to the TCPStore
+            store = store.underlying_store
+        return isinstance(store, dist.TCPStore) and rendezvous.reached(store.host, store.port, 0) is False
 
     def stop(self, left: str, culprit: bool) -> None:
         """Stop beating, leaving a last record that says why this rank left, and whether that is a failure of
@@ -150,7 +162,7 @@ class Heartbeat:
         self.wake.set()
         self.thread.join(timeout=BEAT_WAIT_S)
         if not self.store_silent:
-            _bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
+            bounded(lambda: self._beat(left, culprit), BEAT_WAIT_S)
         if self.store_host == self.rank and (culprit or left == LOST_CONTACT):  # others may be reading the beats
             time.sleep(self.DIAGNOSIS_BEATS * self.interval + 0.5)
 
@@ -177,13 +189,13 @@ class Heartbeat:
     def diagnose(self) -> str:
         """Name the ranks that stopped answering: host, pid, dead or frozen, what they were last doing; '' when
         nothing points at anyone. Takes about three beats (the records are read twice), and never hangs: a
-        frozen store host leaves reads unanswered past their timeout (`_bounded`)."""
-        first = _bounded(self._read, BEAT_WAIT_S)
-        found = first and _bounded(lambda: self._diagnose(first[0]),
+        frozen store host leaves reads unanswered past their timeout (`bounded`)."""
+        first = bounded(self._read, BEAT_WAIT_S)
+        found = first and bounded(lambda: self._diagnose(first[0]),
                                    self.DIAGNOSIS_BEATS * self.interval + BEAT_WAIT_S)
         if found is not None:
             if found and self.store_host == self.rank:  # for ranks that hear of the failure only as this one leaves
-                _bounded(lambda: self.store.set(VERDICT, found), BEAT_WAIT_S)
+                bounded(lambda: self.store.set(VERDICT, found), BEAT_WAIT_S)
             return found
         self.store_silent = True
         if self.store_host is None:

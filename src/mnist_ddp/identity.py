@@ -69,6 +69,7 @@ class Identity:
     launcher: str = "single process"
     attempt: int = 0  # torchrun's restart count: each attempt meets in a namespace of its own
     run_id: str = ""  # torchrun's job id: --rdzv-id, or a fresh uuid per torchrun under --standalone
+    standby: tuple[str, int] | None = None  # where this node's launcher holds a standby store (successor.py)
 
     @property
     def one_node(self) -> bool:
@@ -219,9 +220,10 @@ def from_env(env: Mapping[str, str]) -> Identity | None:
     return None
 
 
-def spawned(node_rank: int, local_rank: int, local_world: int, nodes: int, addr: str, port: int) -> Identity:
+def spawned(node_rank: int, local_rank: int, local_world: int, nodes: int, addr: str, port: int,
+            standby: tuple[str, int] | None = None) -> Identity:
     """The identity of local process `local_rank` of node `node_rank`, started by our own spawn:
     the tutorial's rank = node_rank × local_world + local_rank, world = nodes × local_world."""
     return Identity(rank=node_rank * local_world + local_rank, local_rank=local_rank,
                     world_size=nodes * local_world, local_world_size=local_world, store_host="parent",
-                    master_addr=addr, master_port=port, launcher="mnist-ddp spawn")
+                    master_addr=addr, master_port=port, launcher="mnist-ddp spawn", standby=standby)

@@ -46,6 +46,7 @@ from . import (
     outdir,
     recovery,
     rendezvous,
+    successor,
     tb,
     timing,
     tracking,
@@ -256,14 +257,15 @@ class ErrorPipe:
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
-             output: Connection, environ: dict[str, str], began: float | None = None) -> None:
+             output: Connection, environ: dict[str, str], standby: tuple[str, int] | None,
+             began: float | None = None) -> None:
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent. Interrupted at
     any point, also before run_worker, it ends with 130 (torch's wrapper would end it with 0, "finished")."""
     try:
         forkserver.die_with_launcher()
         forkserver.adopt(environ)
         console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
-        ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port)
+        ident = identity.spawned(cfg.node_rank, local_rank, cfg.gpus, cfg.nodes, addr, port, standby)
         run_worker(ident, cfg, report=reports.put, began=began)
     except UserError as e:
         _leave(e.exit_code)
@@ -349,17 +351,21 @@ def spawn(cfg: TrainConfig, began: float) -> int:
     addr = cfg.master_addr or "127.0.0.1"
     if cfg.nodes == 1:
         cfg = replace(cfg, secret=secrets.token_bytes(32))
-    store = None
+    store, standby = None, None
     with _signals_interrupt(), console.relay() as output:
         if cfg.node_rank == 0:  # node 0 hosts the rendezvous; port 0 lets the OS pick a free one
             store = rendezvous.host_store(addr, cfg.master_port or 0, cfg.world_size, timedelta(seconds=cfg.timeout),
                                           one_node=cfg.nodes == 1)
+        elif cfg.recover:  # where the others meet again should node 0's launcher be lost (successor.py)
+            standby = successor.Standby(addr, cfg.world_size, Credentials(cfg.secret or b"", run_settings(
+                cfg, cfg.world_size)), timedelta(seconds=cfg.timeout))
         port = store.port if store is not None else cfg.master_port
         forkserver.start()  # already running when started from the command line (cli.py)
         reports = ErrorPipe()
         # When one child fails, torch stops the rest and logs each stop; our one line on the cause says enough.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ), began),
+        children = mp.start_processes(_spawned, args=(cfg, addr, port, reports, output, dict(os.environ),
+                                                      standby and standby.where, began),
                                       nprocs=cfg.gpus, join=False, start_method="forkserver")
         workers = forkserver.Workers([p.pid for p in children.processes])
         try:
@@ -385,10 +391,13 @@ def spawn(cfg: TrainConfig, began: float) -> int:
             if e.signal_name not in (None, "SIGINT", "SIGTERM"):  # the cause, even if the others then complained
                 hint = " (on a GPU, NCCL's watchdog ends a rank so when a collective fails: see its log)" \
                     if e.signal_name == "SIGABRT" else ""
-                after = ("under --recover the other nodes go on without this node's ranks: run the same command "
-                         "again to rejoin them (once the job has ended, with --resume)" if cfg.recover and cfg.node_rank
-                         else "the other processes were stopped. Run again with --resume to continue from the last "
-                         "checkpoint")
+                after = "the other processes were stopped. Run again with --resume to continue from the last checkpoint"
+                if cfg.recover and cfg.node_rank:
+                    after = ("under --recover the other nodes go on without this node's ranks: run the same command "
+                             "again to rejoin them (once the job has ended, with --resume)")
+                elif cfg.recover and cfg.nodes > 1:  # this launcher held the store (successor.py)
+                    after = ("under --recover the other nodes go on without this node, whose launcher held the "
+                             "rendezvous store: the next node's takes it over, and the new rank 0 writes its --out")
                 raise PeerFailure(f"rank {rank} (pid {e.error_pid}) was killed by {e.signal_name}{hint}; {after}.") \
                     from None
             cause = reports.cause()
@@ -399,7 +408,9 @@ def spawn(cfg: TrainConfig, began: float) -> int:
             raise PeerFailure(f"rank {rank} stopped with exit code {e.exit_code}; see its messages above.") from None
         finally:
             workers.stop(GRACE_S)  # however it ends, no worker outlives this (after success: all have ended)
-            del store  # closes node 0's listening port now, not whenever the exception is freed
+            if standby is not None:
+                standby.close()
+            del store, standby  # closes the listening ports now, not whenever the exception is freed
     return 0
 
 

@@ -30,6 +30,7 @@ PLACE = "mnist_ddp/place/"  # + a replacement's token: the re-formed world it jo
 _HEX32 = re.compile(rb"[0-9a-f]{32}")
 MAX_CHECKIN = 16384  # bytes: a real check-in is a few hundred
 RELIST_S = 2.0  # a candidate without an answer lists its token again (a stray write may have erased the list)
+UNKNOWN_ADDRESS = "unknown address"  # what `address_towards` says where no route leads to the master
 SHOWN = 20  # refusal lines printed, the last saying so: a flood of check-ins is not echoed line by line
 
 
@@ -82,6 +83,12 @@ def _digest(run: Mapping[str, str]) -> str:
 def _mac(secret: bytes, *fields: Any) -> str:
     """HMAC-SHA256 over `fields` (JSON: no two lists of fields read the same)."""
     return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
+
+
+def vouch(creds: Credentials, *fields: Any) -> str:
+    """HMAC-SHA256 over `fields` and the run's digest, keyed with the job's secret: what only this job's processes
+    can write (successor.py)."""
+    return _mac(creds.secret, *fields, _digest(creds.run))
 
 
 def _sign(c: CheckIn, secret: bytes) -> str:
@@ -171,7 +178,7 @@ def _check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: 
     """Check in as `ident.rank` and wait for rank 0's verdict; the token and nonce of the admitted check-in."""
     nonce = _wait(lambda: _nonce(store), deadline, lambda: "rank 0 never opened the check-in")
     token = secrets.token_hex(16)
-    c = CheckIn(ident.rank, _address_towards(ident.master_addr), socket.gethostname(), os.getpid(), nonce,
+    c = CheckIn(ident.rank, address_towards(ident.master_addr), socket.gethostname(), os.getpid(), nonce,
                 dict(creds.run), "")
     store.set(CHECKIN + token, json.dumps(asdict(replace(c, mac=_sign(c, creds.secret)))))
     admitted = f"admitted {_mac(creds.secret, 'admitted', nonce, token, ident.rank)}".encode()
@@ -304,7 +311,7 @@ def _wait(ready: Callable[[], T | None], deadline: float, what: Callable[[], str
     return value
 
 
-def _address_towards(addr: str) -> str:
+def address_towards(addr: str) -> str:
     """This machine's address on the way to `addr` (what the job's refusal line names)."""
     try:
         family, _, _, _, target = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
@@ -312,4 +319,4 @@ def _address_towards(addr: str) -> str:
             s.connect(target)  # a UDP connect sends nothing: the kernel only picks the route
             return s.getsockname()[0]
     except OSError:
-        return "unknown address"
+        return UNKNOWN_ADDRESS

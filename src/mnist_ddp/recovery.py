@@ -8,6 +8,7 @@ first, `take_in` lets a replacement of a lost rank join at a step boundary (`gro
 """
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, distributed, membership, regroup, rendezvous, untrusted
+from . import checkpoint, distributed, membership, regroup, rendezvous, successor, untrusted
 from .batches import Share
 from .config import TrainConfig, run_settings
 from .distributed import Dist, PeerFailure
@@ -33,7 +34,8 @@ from .state import Progress, Stretch, Training
 from .steps import PartStats
 
 # Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins
-# (S the run's last step: once the final checkpoint is saved).
+# (S the run's last step: once the final checkpoint is saved); "R:S:launcher", its launcher (the store's host, for
+# node 0's ranks).
 LOSE_VAR = "MNIST_DDP_TEST_LOSE"
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.
 JOIN_VAR = "MNIST_DDP_TEST_JOIN"
@@ -60,6 +62,7 @@ class Reformed:
     d: Dist
     position: int  # the position (Snapshots) every survivor goes back to
     lost: list[str]  # who was lost, in words (ranks as the first world numbered them)
+    moved: str = ""  # the store's host was lost too: where the survivors met instead, in words (successor.py)
 
 
 class Loop(Protocol):
@@ -95,7 +98,10 @@ def for_run(ident: Identity, cfg: TrainConfig, d: Dist | None = None) -> "Recove
         raise UserError(f"--recover needs mnist-ddp's own launcher (-g, or -n/-g/-nr), whose launching process "
                         f"holds the store a lost rank's peers meet at again; under {ident.launcher} use its own "
                         f"restarts with --resume (docs/faults.md).")
-    return Recovery(ident, cfg, d)
+    recovery = Recovery(ident, cfg, d)
+    if recovery.succession and d and not recovery.joining:  # a replacement learns it as it joins (handover)
+        recovery.succession.learn(d)
+    return recovery
 
 
 def world_change(recovery: "Recovery | None", e: BaseException) -> str | list[tuple[int, str]]:
@@ -108,10 +114,15 @@ def world_change(recovery: "Recovery | None", e: BaseException) -> str | list[tu
     return rendezvous.error_summary(e)
 
 
-def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> set[int]:
-    """The steps done after which this rank kills itself (`LOSE_VAR`; tests only: snapshot.Snapshots.take)."""
-    pairs = [item.split(":") for item in env.get(LOSE_VAR, "").split(",") if item.strip()]
-    return {int(step) for r, step in pairs if int(r) == rank}
+def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> dict[int, int]:
+    """The steps done after which this rank kills a process (`LOSE_VAR`; tests only: snapshot.Snapshots.take): step ->
+    the pid, its own or its launcher's."""
+    launcher = multiprocessing.parent_process()
+    found = {}
+    for r, step, *whom in (item.split(":") for item in env.get(LOSE_VAR, "").split(",") if item.strip()):
+        if int(r) == rank:
+            found[int(step)] = launcher.pid if whom == ["launcher"] and launcher else os.getpid()
+    return found
 
 
 class Recovery:
@@ -129,6 +140,10 @@ class Recovery:
         self.await_at = int(os.environ.get(JOIN_VAR) or -1)
         self.store: dist.Store | None = None
         self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
+        self.roster: dict[int, dict] = {}  # first-world rank -> its beat, as last read (the lost's host and pid)
+        # On several nodes: the standby stores to meet at should the store's host be lost (successor.py).
+        self.succession = None if ident.one_node else successor.Succession(
+            ident, self.creds, cfg.timeout, Heartbeat.DIAGNOSIS_BEATS * cfg.heartbeat + BEAT_WAIT_S)
 
     def change(self, loop: Loop, change: str | list[tuple[int, str]]) -> None:
         """Re-form the world after `world_change`'s verdict: without a lost rank, or with the replacements."""
@@ -153,9 +168,10 @@ class Recovery:
             loop.report = loop.report.taken_over(loop.samples_done)
         loop.report.keep_epochs_before(loop.t.progress.epoch)
         loop.report.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
-        p = loop.t.progress
-        loop.report.say(f"recover: {', '.join(new.lost)} lost at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1} "
-                        f"(rank {rank_was} saw: {failure}); {self._went_on(loop, began)}")
+        p, moved = loop.t.progress, f"; {new.moved}" if new.moved else ""
+        loop.report.say(f"recover: {', '.join(new.lost) or 'no rank'} lost at epoch {p.epoch + 1}, step "
+                        f"{loop.step_in_epoch + 1} (rank {rank_was} saw: {failure}){moved}; "
+                        f"{self._went_on(loop, began)}")
 
     def _went_on(self, loop: Loop, began: float) -> str:
         """The end of a `recover: ` line: the new world, its generation, the seconds since `began`, its share."""
@@ -169,7 +185,7 @@ class Recovery:
         while it saves) is lost inside the loop, which goes back and redoes the epoch's end, its saves included,
         rather than after the run's last step, where nothing could (docs/design/recovery.md)."""
         if loop.t.progress.epoch == loop.cfg.recipe.epochs and loop.steps_done in self.doomed:  # tests only
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(self.doomed[loop.steps_done], signal.SIGKILL)
         loop.d.all_sum(torch.zeros((), device=loop.d.device))
 
     def stop(self, left: str, culprit: bool) -> None:
@@ -184,18 +200,65 @@ class Recovery:
         if not distributed.teardown(together=False, leave_s=self.timeout):
             raise PeerFailure(f"rank {d.rank} could not leave the broken process group within --timeout "
                               f"{self.timeout:g} s; run again with --resume.")
-        store = self._store()
-        beats = Heartbeat.reader(dist.PrefixStore(beats_prefix(self.generation), store), d.world_size, self.interval)
-        members, back_to, lost = self._agree(store, beats, d, position)
-        roster = beats.beats()
-        said = [f"rank {self.first[r]}" + (f" ({untrusted.printable(roster[r]['host'])}, pid {roster[r]['pid']})"
-                               if r in roster else "") for r in lost]
-        new = self._enter(d, backend, [self.first[r] for r in members], members.index(d.rank), "re-formed without "
-                          "the lost")
-        return Reformed(new, back_to, said)
+        if d.heartbeat is not None:
+            self.roster.update({self.first[r]: beat for r, beat in d.heartbeat.roster.items() if r < len(self.first)})
+        try:
+            store = self._store()
+            beats = Heartbeat.reader(dist.PrefixStore(beats_prefix(self.generation), store), d.world_size,
+                                     self.interval)
+            members, back_to, lost = self._agree(store, beats, d, position)
+            self.roster.update({self.first[r]: beat for r, beat in beats.beats().items()})
+            said = [self._who(self.first[r]) for r in lost]
+            return Reformed(self._enter(d, backend, [self.first[r] for r in members], members.index(d.rank),
+                                        "re-formed without the lost"), back_to, said)
+        except RuntimeError:  # a store call failed: if its host is gone, the survivors meet at its successor
+            if self.succession is None or not self.succession.gone(self._where()):
+                raise
+        return self._take_over(d, backend, position)
+
+    def _take_over(self, d: Dist, backend: str, position: int) -> Reformed:
+        """The store's host is gone: meet at the next standby store in line, agree there on who is left, and form
+        the next generation's group there (successor.py); again if that store's host is lost meanwhile."""
+        assert self.succession is not None
+        deadline, moved, me = time.monotonic() + self.timeout, [], self.ident.rank
+        if d.heartbeat is not None:
+            d.heartbeat.store_silent = True  # no last beat into a store that is gone
+        while True:
+            self.store, where, said = self.succession.take_over(deadline)
+            self.ident = replace(self.ident, master_addr=where[0], master_port=where[1])
+            self.entry = None  # replacements look for the job at the old address: none is taken in any more
+            moved.append(said)
+            try:
+                generation, members, back_to, lost = self.succession.agree(self.store, self.generation, self.first,
+                                                                           position, self.roster, deadline)
+                if me not in members:
+                    raise self._presumed_lost(me, generation)
+                self.generation = generation
+                new = self._enter(d, backend, members, members.index(me), "re-formed at the successor store")
+                return Reformed(new, back_to, [self._who(r) for r in lost], "; ".join(moved))
+            except RuntimeError:
+                if not self.succession.gone(where):
+                    raise
+
+    def _who(self, rank: int) -> str:
+        """First-world rank `rank` in words: its host and pid where a beat said."""
+        beat = self.roster.get(rank)
+        return f"rank {rank}" + (f" ({untrusted.printable(beat['host'])}, pid {beat['pid']})" if beat else "")
+
+    def _presumed_lost(self, rank: int, generation: int) -> PresumedLost:
+        """Said here: the job goes on, and this process's launcher reports no failure."""
+        said = (f"rank {rank} was presumed lost by the other processes, which went on without it (generation "
+                f"{generation + 1}); this process stops.")
+        print(f"mnist-ddp: {said}", file=sys.stderr, flush=True)
+        return PresumedLost(said)
+
+    def _where(self) -> tuple[str, int]:
+        return self.ident.master_addr, self.ident.master_port
 
     def _store(self) -> dist.Store:
         if self.store is None:
+            if self.succession is not None and self.succession.gone(self._where()):  # else a client waits --timeout
+                raise successor.StoreGone(f"the rendezvous store at {self._where()} is gone")
             self.store = rendezvous.connect(self.ident, timedelta(seconds=self.timeout), joining=False)
         return self.store
 
@@ -204,12 +267,12 @@ class Recovery:
         if d.heartbeat is not None:
             d.heartbeat.stop(why, culprit=False)
         self.generation += 1
+        self.first = members  # the decision is this rank's from here: a successor store hears of it (successor.py)
         distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", self._store()),
                                rank, len(members), timedelta(seconds=self.timeout), d.device)
         client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
         beat = self.heartbeat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank,
                                           len(members), self.interval, store_host=None)
-        self.first = members
         return replace(d, rank=rank, world_size=len(members), heartbeat=beat)
 
     def take_in(self, loop: Loop) -> None:
@@ -230,8 +293,14 @@ class Recovery:
         assert self.entry is not None
         deadline = time.monotonic() + self.timeout
         while True:
-            found = membership.admit_late(self._store(), self.ident.world_size, self.creds, self.entry.nonce,
-                                          self.first)
+            try:
+                found = membership.admit_late(self._store(), self.ident.world_size, self.creds, self.entry.nonce,
+                                              self.first)
+            except RuntimeError:  # its host is gone: nobody can check in until the next failure moves the store
+                if self.succession is None or not self.succession.gone(self._where()):
+                    raise
+                self.store = None  # each look probes again, without a TCPStore client's warnings
+                return []
             if found or not wait or time.monotonic() > deadline:
                 return sorted(found.items())
             time.sleep(10 * POLL_S)
@@ -260,6 +329,8 @@ class Recovery:
         grown world; a replacement (`joining`) takes it on, and all deal the run's slots over the world."""
         t, s = loop.t, loop.stretch
         assert loop.snapshots is not None
+        if self.succession:  # the grown world's standby stores: the replacement's node has a new launcher
+            self.succession.learn(loop.d)
 
         def state() -> tuple[Path, dict]:
             return Path("rank 0's state"), {
@@ -296,11 +367,8 @@ class Recovery:
         while True:
             if store.check([key + "decided"]):
                 decided = _decision(store.get(key + "decided"), d.world_size)
-                if d.rank not in decided[0]:  # said here: the job goes on, and its launcher reports no failure
-                    said = (f"rank {self.first[d.rank]} was presumed lost by the other processes, which went on "
-                            f"without it (generation {self.generation + 1}); this process stops.")
-                    print(f"mnist-ddp: {said}", file=sys.stderr, flush=True)
-                    raise PresumedLost(said)
+                if d.rank not in decided[0]:
+                    raise self._presumed_lost(self.first[d.rank], self.generation)
                 return decided
             at = {r: _position(store.get(f"{key}at/{r}")) for r in range(d.world_size)
                   if store.check([f"{key}at/{r}"])}

@@ -129,6 +129,23 @@ def wait_for_listener(ident: Identity, timeout: timedelta) -> None:
             time.sleep(0.2)
 
 
+def reached(addr: str, port: int, patience: float) -> bool | None:
+    """Whether a process listens at `addr`:`port`: True; False when its machine refuses the connection (nobody holds
+    the port: the process that held it is gone); None when nothing answers within `patience` seconds (its machine
+    is down, frozen or cut off). A plain connect: a TCPStore client would retry for its whole timeout."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
+
 def connect(ident: Identity, timeout: timedelta, joining: bool = True) -> dist.Store:
     """A client connection of our own to the job's store, in this attempt's namespace where torchrun's agent hosts
     it. `joining`: counted as one of the world's processes (TCPStore's worker count), as a rank joins once."""

@@ -97,7 +97,9 @@ class Reporter:
         return console.bar(items, total, desc, initial)
 
     def taken_over(self, samples: int) -> "Reporter":
-        """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay."""
+        """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay
+        (on another node, this one's --out is made)."""
+        self.out.mkdir(parents=True, exist_ok=True)
         new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard, self.mlflow)
         new.begin(samples)
         return new

@@ -38,16 +38,16 @@ class Snapshot:
 class Snapshots:
     """The last two positions' states of one rank; every rank passes the same positions in the same order."""
 
-    def __init__(self, t: Training, doomed: set[int]) -> None:
-        self.t, self.position, self.doomed = t, 0, doomed  # doomed: recovery.LOSE_VAR's steps (tests only)
+    def __init__(self, t: Training, doomed: Mapping[int, int]) -> None:
+        self.t, self.position, self.doomed = t, 0, doomed  # doomed: recovery.LOSE_VAR's step -> pid (tests only)
         self.live = [*t.model.parameters(), *t.model.buffers()]
         self.kept: deque[Snapshot] = deque(maxlen=2)
 
     def take(self, stats: PartStats, stretch: Stretch, known: Mapping[int, torch.Tensor],
              step: int | None = None) -> None:
         """A new position begins (a fold, or step `step` + 1): copy the state it starts from."""
-        if step in self.doomed:  # tests only: this process ends here, as a lost machine would
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step in self.doomed:  # tests only: this process (or its launcher) ends here, as a lost machine would
+            os.kill(self.doomed[step], signal.SIGKILL)
         self.position += 1
         t = self.t
         with torch.no_grad():
