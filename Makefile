@@ -52,9 +52,10 @@ soak: $(VENV)/.dev
 	$(BIN)/python tests/soak.py --rounds $(SOAK) --modules "$(SOAK_MODULES)"
 
 # Not part of CI: TRIALS seeded fault trials (tests/chaos.py), none started after BUDGET seconds; one line per trial,
-# a table by fault at the end. ONLY=k replays trial k of SEED alone. Needs root for namespaces and the full disk.
+# a table by fault at the end. ONLY=k replays trial k of SEED alone; FIRST=k starts at trial k (the budget ran
+# out). Needs root for namespaces and the full disk.
 chaos: $(VENV)/.dev
-	$(BIN)/python tests/chaos.py --seed $(SEED) --trials $(TRIALS) --budget $(BUDGET) $(if $(ONLY),--only $(ONLY))
+	$(BIN)/python tests/chaos.py --seed $(SEED) --trials $(TRIALS) --budget $(BUDGET) $(if $(ONLY),--only $(ONLY)) $(if $(FIRST),--first $(FIRST))
 
 bench: $(VENV)/.plot
 	$(BIN)/mnist-ddp bench $(ARGS)

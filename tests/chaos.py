@@ -750,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--budget", type=float, default=3600, help="seconds: no trial starts after them (default 3600)")
     p.add_argument("--only", type=int, help="replay trial ONLY of the seed, alone")
+    p.add_argument("--first", type=int, default=0, help="start at trial FIRST (to go on with a campaign whose budget "
+                   "ran out; default 0)")
     p.add_argument("--keep", type=Path, help="where trials that broke a contract leave their output (default: a "
                    "new temp folder)")
     p.add_argument("--keep-all", action="store_true", help="keep every trial's output, not only the failed ones'")
@@ -764,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     if not netns or not root:
         print(f"chaos: {'no network namespaces (needs root and iproute2): one machine only; ' if not netns else ''}"
               f"{'' if root else 'not root: no tmpfs, so no full disk; '}", flush=True)
-    indices = [args.only] if args.only is not None else list(range(args.trials))
+    indices = [args.only] if args.only is not None else list(range(args.first, args.trials))
     rows: dict[str, Counter] = {}
     outcomes: Counter = Counter()
     began = time.monotonic()
