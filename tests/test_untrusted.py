@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import progress, tiny
-from mnist_ddp import checkpoint, cli, distributed, identity, launch
+from mnist_ddp import checkpoint, cli, distributed, identity, launch, rendezvous
 from mnist_ddp.distributed import PeerFailure
 from mnist_ddp.errors import UserError, WriteFailed
 from mnist_ddp.model import ConvNet
@@ -153,11 +153,13 @@ def test_the_launcher_reads_its_workers_errors_as_json_not_pickles(tmp_path: Pat
 
 # --- poisoned store values -------------------------------------------------------------------------------------
 
-def test_a_poisoned_world_size_is_passed_over_and_never_printed() -> None:
+def test_a_poisoned_world_size_is_passed_over_and_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store at the master's port whose world-size key holds garbage with an escape sequence: node 1's rank,
     joining as `-n 2 -g 1 -nr 1` does, does not die of it (the check-in compares the world size again) but goes
     on to check in; with no rank 0 there, it gives up in one line saying so, without the garbage. The control:
     a readable world size that disagrees is refused at once, naming both numbers."""
+    for var in rendezvous.SOCKET_IFNAMES:  # joining sets them in this process (loopback): undone after the test
+        monkeypatch.setenv(var, "=lo" if var.startswith("NCCL") else "lo")
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     joining = identity.spawned(1, 0, 1, 2, "127.0.0.1", store.port)
     store.set("mnist_ddp/world_size", b"\x1b[2J\x1b[31m2")
