@@ -493,6 +493,33 @@ def test_sigterm_to_the_group_returns_only_when_every_worker_has_ended(tmp_path:
         assert rc == 130 and "mnist-ddp: interrupted." in log and "Traceback" not in log, log
 
 
+CTRL_C_AT_FORK = """
+import multiprocessing, signal, sys
+from mnist_ddp import cli, forkserver, launch
+
+class CtrlC:  # unpickled in the child with the other arguments, before launch._spawned runs: Ctrl-C then
+    def __reduce__(self):
+        return signal.raise_signal, (signal.SIGINT,)
+
+forkserver.start()
+cfg = cli.configure(["train", "-g", "1", "--dataset", "synthetic", "--out", sys.argv[1]])
+child = multiprocessing.get_context("forkserver").Process(
+    target=launch._spawned, args=(0, cfg, "127.0.0.1", 1, None, None, {}, None, CtrlC()))
+child.start()
+child.join(60)
+print(child.exitcode)
+"""
+
+
+def test_ctrl_c_while_a_worker_is_being_started_ends_it_as_interrupted(tmp_path: Path) -> None:
+    """A Ctrl-C that reaches a `-g` worker while multiprocessing still starts it (here: as its arguments are
+    unpickled), before our code could catch it, is held and then unwinds the worker as any Ctrl-C does: exit 130,
+    which its launcher reports as interrupted, not a silent exit code 1."""
+    r = subprocess.run([sys.executable, "-c", CTRL_C_AT_FORK, str(tmp_path / "run")], env=cli_env(),
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.split() == ["130"], r.stdout + r.stderr
+
+
 def _report_while_joined(local_rank: int, port: int, out: str, seen: str) -> None:
     """A rank of a `-g 2` job (as launch.spawn starts one) whose rank 0 refuses an --out that holds a run: every
     rank's error is reported through `report`, which writes down whether the rank was still in the group."""

@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 
-# What every child needs before its first step: the package (torch with it) and torch._dynamo.
-PRELOAD = ["mnist_ddp.launch", "torch._dynamo"]
+# What every child needs before its first step: the package (torch with it) and torch._dynamo; last, what makes
+# every child hold Ctrl-C until it can unwind (forkserver_preload.py).
+PRELOAD = ["mnist_ddp.launch", "torch._dynamo", "mnist_ddp.forkserver_preload"]
 
 
 def start() -> None:
@@ -35,6 +36,12 @@ def import_in_background() -> None:
 def _import(name: str) -> None:
     with contextlib.suppress(BaseException):  # the optimizer's own import raises it again, where it is reported
         importlib.import_module(name)
+
+
+def release_interrupts() -> None:
+    """In a child, first, where a Ctrl-C can unwind it: take the SIGINT it held since it was forked, if one came
+    (forkserver_preload.py)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def die_with_launcher() -> None:

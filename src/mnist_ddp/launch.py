@@ -262,6 +262,7 @@ def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: E
     """Entry point of each spawned child: compute its rank, run, hand a clear error to the parent. Interrupted at
     any point, also before run_worker, it ends with 130 (torch's wrapper would end it with 0, "finished")."""
     try:
+        forkserver.release_interrupts()
         forkserver.die_with_launcher()
         forkserver.adopt(environ)
         console.attach(output)  # the parent shows what this process prints, and rank 0's bar (console.py)
