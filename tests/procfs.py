@@ -87,10 +87,11 @@ def children(pid: int) -> list[int]:
 
 
 def spawned_workers(parent: int) -> list[int]:
-    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is."""
-    server = next(pid for pid in children(parent) if MARK in env_of(pid)
-                  and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
-    return children(server)
+    """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is
+    (none before it started)."""
+    server = next((pid for pid in children(parent) if MARK in env_of(pid)
+                   and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")), None)
+    return children(server) if server is not None else []
 
 
 def env_of(pid: int) -> dict[str, str]:

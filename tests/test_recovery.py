@@ -340,6 +340,46 @@ def test_the_launcher_does_not_wait_for_ever_on_a_child_frozen_for_good() -> Non
             p.join(5)
 
 
+@pytest.mark.parametrize("reported", [True, False])
+def test_the_launcher_stops_waiting_once_a_child_failed_on_its_own(reported: bool) -> None:
+    """A child that ended with a failure of its own (a world that never formed: its peer froze before joining)
+    ends the job under --recover too: await_every_child returns, the run not finished, while the frozen child is
+    still there, for the launcher to stop. The control: a child lost (no failure of its own reported) leaves the
+    launcher waiting for the other."""
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=os._exit, args=(2,)), ctx.Process(target=_freeze)]
+    for p in children:
+        p.start()
+    result: list[bool] = []
+    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(children, lambda: reported)),
+                               daemon=True)
+    try:
+        waiting.start()
+        waiting.join(30 if reported else 3)
+        assert waiting.is_alive() != reported, "returned" if waiting.is_alive() else "still waits"
+        assert result == ([False] if reported else []) and children[1].exitcode is None
+    finally:
+        children[1].kill()
+        for p in children:
+            p.join(5)
+        waiting.join(30)
+
+
+def test_a_rank_frozen_before_it_joined_ends_the_job_in_one_line(tmp_path: Path) -> None:
+    """Under --recover, a rank frozen for good before the world formed: there is nothing to recover, the other
+    gives up after --timeout as without --recover (a peer that never arrived, exit 2), and the launcher stops the
+    frozen one and ends, naming it."""
+    env, mark = marked_env()
+    out, log = tmp_path / "out", tmp_path / "log"
+    with reaped(mark):
+        run = start(["mnist_ddp", "train", *tiny(480, 100, epochs=1), "-g", "2", "--recover", "--timeout", "4",
+                     "--out", str(out)], env, tmp_path, log)
+        first = wait_for("a worker", lambda: spawned_workers(run.pid), RUN_TIMEOUT, poll=0.002, running=run)[0]
+        os.kill(first, signal.SIGSTOP)  # just forked: rank 0, long before it joins
+        rc, said = finish(run, log, RUN_TIMEOUT)
+    assert rc == 2 and "could not join the 1 other process" in said and "Traceback" not in said, said
+
+
 def _lost_after_the_last_step(d: Dist, said: str) -> None:
     """Rank 1 leaves for good once both have passed a last collective; rank 0, done too, leaves the group as a
     finished rank does, and writes what that raised to `said`."""

@@ -237,6 +237,7 @@ class ErrorPipe:
         ctx = mp.get_context("forkserver")
         self.reader, self.writer = ctx.Pipe(duplex=False)
         self.lock = ctx.Lock()  # one child's message at a time
+        self.found: list[tuple[UserError, bool]] = []  # read, not yet handed out by cause(): (error, echo)
 
     def put(self, e: UserError) -> None:
         """In a child: send `e`; it is in the pipe when put returns."""
@@ -247,13 +248,22 @@ class ErrorPipe:
         """In the parent: of the children's errors, the one that started it (None if none sent one). A PeerFailure
         only echoes another rank's failure (rank 0 that could not write a checkpoint, and the rank that then lost
         contact with it, both report)."""
-        found = []
+        self._read()
+        found, self.found = self.found, []
+        return next((e for e, echo in found if not echo), found[0][0]) if found else None
+
+    def failed(self) -> bool:
+        """In the parent: whether a child sent a failure of its own, not an echo: one every rank meets (a world
+        that never formed, bad input, a full disk), which --recover cannot go on from."""
+        return any(not echo for _, echo in self._read())
+
+    def _read(self) -> list[tuple[UserError, bool]]:
         while self.reader.poll():
             try:
-                found.append(errors.relayed(self.reader.recv_bytes()))
+                self.found.append(errors.relayed(self.reader.recv_bytes()))
             except ValueError as why:
-                found.append((PeerFailure(f"a worker sent the launcher an unreadable error ({why})"), False))
-        return next((e for e, echo in found if not echo), found[0][0]) if found else None
+                self.found.append((PeerFailure(f"a worker sent the launcher an unreadable error ({why})"), False))
+        return self.found
 
 
 def _spawned(local_rank: int, cfg: TrainConfig, addr: str, port: int, reports: ErrorPipe,
@@ -330,12 +340,15 @@ class Child(Protocol):
     def exitcode(self) -> int | None: ...
 
 
-def await_every_child(processes: list[Child]) -> bool:
+def await_every_child(processes: list[Child], failed: Callable[[], bool] = lambda: False) -> bool:
     """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended, or, once
-    one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it); whether
+    one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it), or until
+    one ended with a failure nobody goes on from (`failed`, ErrorPipe.failed: the caller stops the rest); whether
     some finished the run (else the first failure is the job's). Each wait is on the children it saw running."""
     finished = None  # when a child was first seen to have finished the run
     while running := [p.sentinel for p in processes if p.exitcode is None]:
+        if any(p.exitcode not in (None, 0) for p in processes) and failed():
+            return False
         if finished is None and any(p.exitcode == 0 for p in processes):
             finished = time.monotonic()
         left = None if finished is None else finished + SETTLE_S - time.monotonic()
@@ -376,7 +389,7 @@ def spawn(cfg: TrainConfig, began: float) -> int:
             while True:
                 if not cfg.recover:
                     multiprocessing.connection.wait(list(children.sentinels))
-                elif await_every_child(children.processes):  # a lost child: the others re-formed and finished
+                elif await_every_child(children.processes, reports.failed):  # a lost child: the others finished
                     break
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)
