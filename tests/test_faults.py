@@ -501,6 +501,7 @@ class CtrlC:  # unpickled in the child with the other arguments, before launch._
     def __reduce__(self):
         return signal.raise_signal, (signal.SIGINT,)
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (in the background it is ignored)
 forkserver.start()
 cfg = cli.configure(["train", "-g", "1", "--dataset", "synthetic", "--out", sys.argv[1]])
 child = multiprocessing.get_context("forkserver").Process(

@@ -100,7 +100,7 @@ def test_a_worker_interrupted_before_it_runs_ends_130_not_0(tmp_path: Path, monk
 
     monkeypatch.setattr(forkserver, "adopt", interrupted)
     child = multiprocessing.get_context("fork").Process(target=torch_wrap, args=(
-        launch._spawned, 0, (TrainConfig(), "127.0.0.1", 0, None, None, {}), str(tmp_path / "error")))
+        launch._spawned, 0, (TrainConfig(), "127.0.0.1", 0, None, None, {}, None), str(tmp_path / "error")))
     child.start()
     child.join(HANG)
     assert child.exitcode == 130
