@@ -36,7 +36,7 @@ import pytest
 from conftest import REPO
 from mnist_ddp import checkpoint
 from netns import netns_pair
-from procfs import MARK, children, describe, marked_env, marked_pids, start
+from procfs import MARK, describe, marked_env, marked_pids, spawned_workers, start
 
 TIMEOUT = 10  # --timeout: what a frozen peer costs
 # A tiny chaotic run: 1600 synthetic images in micro-batches of 8 (200 steps at world 2, 100 at world 4), two
@@ -305,8 +305,7 @@ class Job:
         """The workers of every node (node by node, in pid order), once each node has all of its own; else []."""
         found = []
         for p in self.procs:
-            server = [c for c in children(p.pid) if "forkserver" in _cmdline(c)]
-            mine = sorted(children(server[0])) if server else []
+            mine = sorted(spawned_workers(p.pid))
             if len(mine) != self.trial.world.gpus:
                 return []
             found += mine
@@ -327,12 +326,6 @@ class Job:
 
     def said(self) -> list[str]:
         return [self.log(n).read_text(errors="replace") for n in range(len(self.procs))]
-
-
-def _cmdline(pid: int) -> str:
-    with suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
-    return ""
 
 
 def _send(pid: int, how: str) -> bool:

@@ -89,9 +89,16 @@ def children(pid: int) -> list[int]:
 def spawned_workers(parent: int) -> list[int]:
     """The -g workers of launcher `parent`: forked from its fork server (forkserver.py), the one child of it that is
     (none before it started)."""
-    server = next((pid for pid in children(parent) if MARK in env_of(pid)
-                   and "forkserver" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")), None)
+    server = next((pid for pid in children(parent) if MARK in env_of(pid) and "forkserver" in cmdline(pid)), None)
     return children(server) if server is not None else []
+
+
+def cmdline(pid: int) -> str:
+    """`pid`'s command line, its arguments NUL-separated ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def env_of(pid: int) -> dict[str, str]:

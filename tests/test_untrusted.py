@@ -158,8 +158,10 @@ def test_a_poisoned_world_size_is_passed_over_and_never_printed(monkeypatch: pyt
     joining as `-n 2 -g 1 -nr 1` does, does not die of it (the check-in compares the world size again) but goes
     on to check in; with no rank 0 there, it gives up in one line saying so, without the garbage. The control:
     a readable world size that disagrees is refused at once, naming both numbers."""
-    for var in rendezvous.SOCKET_IFNAMES:  # joining sets them in this process (loopback): undone after the test
-        monkeypatch.setenv(var, "=lo" if var.startswith("NCCL") else "lo")
+    for var in rendezvous.SOCKET_IFNAMES:  # joining sets the unset ones in this process: unset again afterwards
+        if var not in os.environ:
+            monkeypatch.setenv(var, "")  # recorded as unset, so undone whatever joining writes
+            monkeypatch.delenv(var)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     joining = identity.spawned(1, 0, 1, 2, "127.0.0.1", store.port)
     store.set("mnist_ddp/world_size", b"\x1b[2J\x1b[31m2")
