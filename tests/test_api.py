@@ -135,7 +135,7 @@ def test_the_launchers_environment_is_honoured(monkeypatch: pytest.MonkeyPatch, 
     (lambda: mnist_ddp.train(compile="yes"), "compile= is True or False (the switch --compile), not 'yes'."),
     (lambda: mnist_ddp.evaluate("m.pt", top=3), "evaluate() has no keyword top="),
     (lambda: mnist_ddp.predict("m.pt", 3.5), "predict's input 0 is a float;"),
-    (lambda: mnist_ddp.predict("missing.pt", "a.png"), "missing.pt: no such checkpoint file"),
+    (lambda: mnist_ddp.predict("missing.pt", "a.png"), "missing.pt: no such file (a checkpoint was expected)"),
 ])
 def test_what_only_python_can_get_wrong(call: Any, said: str) -> None:
     with pytest.raises(UserError) as e:

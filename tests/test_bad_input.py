@@ -142,6 +142,29 @@ CASES: dict[str, Case] = {
         lambda d, mp: (_place_checkpoint(d / "o", "a checkpoint of a different model"),
                        [*TRAIN, "--out", str(d / "o")])[-1],
         "already holds a run"),
+    **{f"--out holds only another run's {', '.join(names)}{', --resume' if resume else ''}": Case(
+        lambda d, mp, names=names, resume=resume: (
+            (d / "o").mkdir(), *((d / "o" / n).write_bytes(b"another run's " + n.encode()) for n in names),
+            [*TRAIN, *(["--resume"] if resume else []), "--out", str(d / "o")])[-1],
+        "but no checkpoint.pt to continue from" if resume else "already holds a run")
+       for names in (("best.pt", "model.safetensors"), ("model.safetensors",)) for resume in (False, True)},
+    "--out holds only another run's steps.jsonl": Case(
+        lambda d, mp: ((d / "o").mkdir(), (d / "o" / "steps.jsonl").write_text("{}\n"),
+                       [*TRAIN, "--out", str(d / "o")])[-1], "choose another --out (it holds steps.jsonl)"),
+    "a 300-character file name": Case(lambda d, mp: ["predict", "x" * 300 + ".pt", "a.png"], "file name too long"),
+    "-g 1000 CPU processes": Case(lambda d, mp: [*TRAIN, "-g", "1000", "--device", "cpu", "--out", str(d / "o")],
+                                  "asks for more worker processes than this machine's"),
+    "--accumulate 1,000,000,000": Case(lambda d, mp: [*TRAIN, "--accumulate", "1000000000", "--out", str(d / "o")],
+                                       "micro-batches a step, more than the 65,536"),
+    **{f"--{flag} {value!r}": Case(lambda d, mp, flag=flag, value=value: [
+        *TRAIN, *(["--out", str(d / "o")] if flag != "out" else []), f"--{flag}", value], said)
+       for flag, value, said in (
+        ("lr", "inf", "--lr must be a finite number, not inf"), ("timeout", "inf", "--timeout must be a finite"),
+        ("heartbeat", "inf", "--heartbeat must be a finite"), ("heartbeat", "1e9", "is longer than --timeout"),
+        ("out", "", "--out is empty"), ("out", " ", "--out is empty"), ("seed", "-1", "--seed must be from 0"))},
+    "WORLD_SIZE=99999999999999999999": Case(
+        lambda d, mp: (mp.setenv("RANK", "0"), mp.setenv("WORLD_SIZE", "9" * 20), [*TRAIN, "--out", str(d / "o")])[-1],
+        "WORLD_SIZE='99999999999999999999' is not a whole number from 0 to 1,048,576"),
     **{f"--resume from {kind}": Case(
         lambda d, mp, kind=kind: (_place_checkpoint(d / "o", kind), [*TRAIN, "--resume", "--out", str(d / "o")])[-1],
         said) for kind, (_, said) in BAD_CHECKPOINTS.items()},

@@ -92,7 +92,7 @@ def test_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     ([], "required: command"),
     (["fly"], "invalid choice: 'fly'"),
     (["evaluate"], "required: checkpoint"),
-    (["evaluate", "missing.pt"], "missing.pt: no such checkpoint file"),
+    (["evaluate", "missing.pt"], "missing.pt: no such file (a checkpoint was expected)"),
     (["evaluate", "missing.pt", "--batch-size", "0"], "--batch-size must be at least 1"),
     (["predict", "model.pt"], "required: FILE"),
     (["predict", "model.pt", "x.png", "--top", "11"], "--top must be between 1 and 10"),

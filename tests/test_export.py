@@ -13,7 +13,7 @@ import torch
 
 from conftest import FASHION, HAS_T10K, MNIST_T10K
 from datafiles import one_thread
-from mnist_ddp import checkpoint, cli, datasets, export, synthetic
+from mnist_ddp import cli, datasets, export, model_file, synthetic
 from mnist_ddp.batches import model_input
 from mnist_ddp.config import DataConfig
 from mnist_ddp.model import ConvNet
@@ -62,7 +62,7 @@ def test_onnxruntime_classifies_test_images_as_pytorch_does(exported: tuple[Path
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     [name] = [i.name for i in session.get_inputs()]
     theirs = torch.from_numpy(session.run(None, {name: (x[:, None].float() / 255).numpy()})[0])
-    model, ckpt = checkpoint.load_model(trained_run / "best.pt")
+    model, ckpt = model_file.load_model(trained_run / "best.pt")
     with torch.inference_mode():
         ours = model.eval()(model_input(x, ckpt["config"]["normalize"]))
     difference = float((theirs - ours).abs().max())

@@ -17,7 +17,7 @@ from mnist_ddp.errors import UserError
 
 
 @pytest.mark.parametrize("name", ["data-idx3-ubyte", "data-idx3-ubyte.gz"])
-@pytest.mark.parametrize("shape", [(5, 28, 28), (3, 7, 11), (0, 28, 28), (9,), (0,)])
+@pytest.mark.parametrize("shape", [(5, 28, 28), (0, 28, 28), (9,), (0,)])
 def test_round_trip(tmp_path: Path, name: str, shape: tuple[int, ...]) -> None:
     data = torch.randint(0, 256, shape, dtype=torch.uint8)
     path = tmp_path / name

@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import MNIST_T10K, TRAINED_TEST_SAMPLES, cli_env, metrics, needs_t10k
 from datafiles import ONE_THREAD, one_thread, write_idx
-from mnist_ddp import checkpoint, cli, idx, images, synthetic
+from mnist_ddp import checkpoint, cli, idx, images, model_file, synthetic
 from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.model import ConvNet
 
@@ -44,7 +44,7 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 def _expected(ckpt: Path, images: torch.Tensor) -> torch.Tensor:
     """The model's own answer, computed here without the predict command."""
-    model, saved = checkpoint.load_model(ckpt)
+    model, saved = model_file.load_model(ckpt)
     x = images.unsqueeze(1).float() / 255
     if saved.get("config", {}).get("normalize"):
         x = (x - MEAN) / STD

@@ -109,7 +109,7 @@ def test_a_pmix_rank_without_a_world_size_is_a_clear_error() -> None:
 @pytest.mark.parametrize(("env", "message"), [
     (HYDRA | {"PMI_RANK": "2"}, "PMI_RANK=2 does not fit PMI_SIZE=2"),
     (HYDRA | {"MPI_LOCALRANKID": "2"}, "MPI_LOCALRANKID=2 does not fit the 2 process"),
-    (OPEN_MPI | {"OMPI_COMM_WORLD_SIZE": "zero"}, "OMPI_COMM_WORLD_SIZE='zero' is not an integer"),
+    (OPEN_MPI | {"OMPI_COMM_WORLD_SIZE": "zero"}, "OMPI_COMM_WORLD_SIZE='zero' is not a whole number"),
     (MVAPICH | {"MV2_COMM_WORLD_SIZE": "0"}, "MV2_COMM_WORLD_SIZE=0: a job needs at least one process"),
 ])
 def test_impossible_mpi_numbers_are_clear_errors(env: dict[str, str], message: str) -> None:

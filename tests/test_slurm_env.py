@@ -91,10 +91,12 @@ def test_no_launcher_means_no_identity() -> None:
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 does not fit WORLD_SIZE=2"),
-    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 does not fit"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not a whole number from 0"),
+    ({"RANK": "0", "WORLD_SIZE": "99999999999999999999"}, "WORLD_SIZE='99999999999999999999' is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is not a whole number from 0"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "at least one process"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 does not fit"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number"),
     ({"SLURM_PROCID": "8", "SLURM_NTASKS": "8"}, "SLURM_PROCID=8 does not fit SLURM_NTASKS=8"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "3", "SLURM_TASKS_PER_NODE": "2"},
      "SLURM_LOCALID=3 does not fit"),

@@ -363,7 +363,7 @@ def test_an_unusable_secret_is_one_sentence(case: str, tmp_path: Path) -> None:
     else:
         args += ["--secret-file", str(path)]
     r = run_cli(*args, cwd=tmp_path, env=env, timeout=60)
-    said = {"missing": f"--secret-file {path} cannot be read (No such file or directory).",
+    said = {"missing": f"{path}: no such file (a secret was expected).",
             "empty": f"--secret-file {path} is empty; put the job's secret in it (e.g. `openssl rand -hex 32`).",
             "readable by others": f"--secret-file {path} can be read by other users (mode 0644); make it yours "
                                   f"alone: chmod 600 {path}.",

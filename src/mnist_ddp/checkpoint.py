@@ -18,9 +18,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from . import atomic, interrupts
+from . import atomic, inputfile, interrupts
 from .errors import UserError
-from .model import ConvNet
 
 FORMAT = "mnist-ddp/2"  # carries a digest
 UNVERIFIED = "mnist-ddp/1"  # saved before digests: still loads, unverified, like a stranger's state_dict
@@ -28,6 +27,9 @@ _PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile
 # Before 2.6.0 (CVE-2025-32434) and 2.10.0 (CVE-2026-24747) a crafted file could make torch.load's weights-only
 # unpickler run code; pyproject.toml requires torch>=2.10 too, this also covers a torch installed around pip.
 SAFE_TORCH = (2, 10)
+MOST_FILE = 64 << 20  # bytes of a checkpoint file: one of this ConvNet's holds ~0.4 MB, far more slots included
+MOST_PICKLE = 4 << 20  # bytes of its pickle (the plain values around the tensors: a few kB)
+MOST_VALUES = 1 << 20  # tensors, numbers, strings, containers in one checkpoint, all counted
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -98,48 +100,102 @@ def _torch_save(obj: Any, f: BinaryIO) -> None:
         torch.save(obj, f)
 
 
-def _safe_load(source: Path | io.BytesIO, name: str | Path) -> Any:
-    """`torch.load(weights_only=True)` of `source`; a refusal, or bytes it cannot read, is one line naming `name`."""
+def _safe_load(data: bytes, name: str | Path) -> Any:
+    """`torch.load(weights_only=True)` of a checkpoint's bytes, each part bounded (`_stored_zip`, `_bounded`); a
+    refusal, or bytes it cannot read, is one line naming `name`."""
     version = tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2])
     if version < SAFE_TORCH:
         raise UserError(f"{name}: not loaded: PyTorch {torch.__version__} is older than 2.10, and a crafted file can "
                         f"make its weights-only loader run code (CVE-2025-32434, CVE-2026-24747); upgrade it: "
                         f"pip install 'torch>=2.10'.")
+    _stored_zip(data, name)
     try:
         with warnings.catch_warnings():  # a foreign pickle also draws a warning; the error below says enough
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(source, map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         wants = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(e))  # the weights-only unpickler names the import
         if wants:
-            raise UserError(f"{name}: refused, loading it would import {wants.group(1)} and could run code; only "
-                            f"checkpoints of tensors and plain values are accepted.") from e
+            raise UserError(f"{name}: refused, loading it would import {inputfile.shown(wants.group(1))} and could "
+                            f"run code; only checkpoints of tensors and plain values are accepted.") from e
         raise UserError(f"{name}: not a PyTorch checkpoint (a pickle the weights-only loader cannot read).") from e
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error) as e:  # junk bytes
+    except RecursionError:
+        raise UserError(f"{name}: not a checkpoint of ours: it nests values deeper than any checkpoint does.") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, KeyError, struct.error, TypeError,
+            IndexError, AttributeError, OverflowError) as e:  # junk bytes, or junk the unpickler built
         # Only torch's own messages say something (e.g. "failed finding central directory"); a KeyError
         # of junk bytes or an EOFError would just be noise.
-        detail = f" ({str(e).strip().splitlines()[0].split('. ')[0]})" if type(e) is RuntimeError and str(e) else ""
+        detail = f" ({str(e).strip().splitlines()[0].split('. ')[0][:200]})" \
+            if type(e) is RuntimeError and str(e) else ""
         raise UserError(f"{name}: not a PyTorch checkpoint, or a truncated one{detail}.") from e
+    _bounded(obj, name)
+    return obj
+
+
+def _stored_zip(data: bytes, name: str | Path) -> None:
+    """Refuse bytes that are not a zip archive as torch.save writes it: every member stored, none compressed (a
+    compressed member could inflate to any size), its pickle at most `MOST_PICKLE` bytes."""
+    if not data.startswith(b"PK\x03\x04"):
+        legacy = "; this is its legacy format: load it and save it again" if data[:1] == b"\x80" else ""
+        raise UserError(f"{name}: not a PyTorch checkpoint (a zip archive, as torch.save writes since PyTorch 1.6"
+                        f"{legacy}).")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, struct.error, EOFError) as e:
+        raise UserError(f"{name}: not a PyTorch checkpoint, or a truncated one ({str(e)[:100]}).") from None
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED or m.file_size != m.compress_size:
+            raise UserError(f"{name}: not a checkpoint torch.save wrote: its member {inputfile.shown(m.filename)} is "
+                            f"compressed, and torch.save stores every member as it is.")
+        if m.filename.endswith("data.pkl") and m.file_size > MOST_PICKLE:
+            raise UserError(f"{name}: its pickle is {m.file_size:,} bytes, more than a checkpoint's "
+                            f"({MOST_PICKLE:,} at most).")
+
+
+def _bounded(obj: Any, name: str | Path) -> None:
+    """Refuse what no checkpoint holds: more than `MOST_VALUES` values, or a tensor that is not a plain dense one
+    whose elements all lie in its own storage (a view of one element as a billion would take gigabytes the
+    moment it is copied)."""
+    todo, count = [obj], 0
+    while todo:
+        o = todo.pop()
+        count += 1
+        if count > MOST_VALUES:
+            raise UserError(f"{name}: holds more than {MOST_VALUES:,} values, more than any checkpoint does.")
+        if isinstance(o, dict):
+            todo += [*o.keys(), *o.values()]
+        elif isinstance(o, list | tuple):
+            todo += o
+        elif isinstance(o, torch.Tensor):
+            if o.layout != torch.strided or o.is_quantized or o.is_nested:
+                raise UserError(f"{name}: holds a {o.layout} tensor; a checkpoint holds dense tensors only.")
+            if o.numel() and o.numel() * o.element_size() > o.untyped_storage().nbytes():
+                raise UserError(f"{name}: holds a tensor of shape {tuple(o.shape)} that repeats the "
+                                f"{o.untyped_storage().nbytes():,} bytes it stores; a checkpoint's tensors do not.")
 
 
 def load(path: Path) -> dict[str, Any]:
     """Read a checkpoint safely. A bare state_dict (the tutorial's) comes back as {"model": it}."""
-    if not path.is_file():
-        raise UserError(f"{path}: no such checkpoint file.")
-    if path.stat().st_size == 0:
-        raise UserError(f"{path}: not a PyTorch checkpoint: the file is empty (0 bytes).")
-    obj = _safe_load(path, path)
+    return parse(inputfile.read(path, MOST_FILE, "checkpoint"), inputfile.shown(path))
+
+
+def parse(data: bytes, name: str) -> dict[str, Any]:
+    """A checkpoint's bytes, read safely and checked (`load`); `name` says whose they are."""
+    if not data:
+        raise UserError(f"{name}: not a PyTorch checkpoint: the file is empty (0 bytes).")
+    obj = _safe_load(data, name)
     if isinstance(obj, dict) and ("digest" in obj or (str(obj.get("format")).startswith("mnist-ddp/")
                                   and obj["format"] != UNVERIFIED)):
-        _verify(path, obj)
+        _verify(name, obj)
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         return obj
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return {"model": obj}
-    raise UserError(f"{path}: holds a {type(obj).__name__}, not a model checkpoint.")
+    raise UserError(f"{name}: holds a {type(obj).__name__}, not a model checkpoint.")
 
 
-def _verify(path: Path, obj: dict[str, Any]) -> None:
+def _verify(path: str | Path, obj: dict[str, Any]) -> None:
     """Check (and remove) the digest a checkpoint of ours carries: refuse it, by name, if its contents changed."""
     saved = obj.pop("digest", None)
     if saved is None:
@@ -149,7 +205,7 @@ def _verify(path: Path, obj: dict[str, Any]) -> None:
         raise changed(path)
 
 
-def changed(path: Path) -> UserError:
+def changed(path: str | Path) -> UserError:
     """The refusal of a file whose contents no longer match the digest it was saved with."""
     return UserError(f"{path}: damaged: its contents no longer match the digest they were saved with (bit rot, an "
                      f"interrupted copy or a failing disk); use an intact copy.")
@@ -189,7 +245,7 @@ def pack(found: tuple[Path, dict[str, Any]] | None) -> bytes:
 def unpack(data: bytes) -> tuple[Path, dict[str, Any]] | None:
     """`pack`'s bytes back, read as a stranger's file is: by the weights-only loader, the digest checked."""
     name = "the checkpoint rank 0 sent"
-    sent = _safe_load(io.BytesIO(data), name)
+    sent = _safe_load(data, name)
     if isinstance(sent, dict) and not sent:
         return None
     if not (isinstance(sent, dict) and isinstance(sent.get("path"), str) and isinstance(sent.get("checkpoint"), dict)
@@ -205,7 +261,7 @@ def newest_intact(path: Path, check: Callable[[Path, dict[str, Any]], None] = la
     refusals of those before it; touches nothing. (None, None, refusals) when neither can be used."""
     refused = []
     for candidate in (path, previous(path)):
-        if not candidate.exists():
+        if not os.path.lexists(candidate):  # a link to nowhere is there, and refused as it is read
             continue
         try:
             ckpt = load_resumable(candidate)
@@ -244,23 +300,28 @@ def load_latest(path: Path, check: Callable[[Path, dict[str, Any]], None], say: 
     return found, ckpt
 
 
-def load_model(path: Path) -> tuple[ConvNet, dict[str, Any]]:
-    """A ConvNet with the weights of any ConvNet checkpoint (ours, DDP-saved, or the tutorial's)."""
-    ckpt = load(path)
-    model = ConvNet()
-    restore_model(model, ckpt["model"], path)
-    return model, ckpt
+def restore_model(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Load `state` into `model`, or say clearly that it belongs to some other network or holds no numbers."""
+    check_weights(state, plain_module(model).state_dict(), path)
+    plain_module(model).load_state_dict(clean_state_dict(state))
 
 
-def restore_model(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Load `state` into `model`, or say clearly that it belongs to some other network."""
-    state, want = clean_state_dict(state), plain_module(model).state_dict()
+def check_weights(state: Any, want: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Refuse `state` unless it is `want`'s tensors by name and shape (wrapper prefixes aside), floating where
+    those are, every number finite."""
+    if not (isinstance(state, dict) and all(isinstance(k, str) for k in state)):
+        raise UserError(f"{path}: its model is not a state_dict (tensors by name).")
+    state = clean_state_dict(state)
     missing, unknown = [k for k in want if k not in state], [k for k in state if k not in want]
     wrong = [k for k in want if k in state and getattr(state[k], "shape", None) != want[k].shape]
     if missing or unknown or wrong:
         why = [f"it lacks {len(missing)} of the ConvNet's {len(want)} tensors (e.g. {missing[0]})" if missing else "",
-               f"has {len(unknown)} the ConvNet does not (e.g. {unknown[0]})" if unknown else "",
+               f"has {len(unknown)} the ConvNet does not (e.g. {inputfile.shown(unknown[0])})" if unknown else "",
                f"has {wrong[0]} of shape {tuple(getattr(state[wrong[0]], 'shape', ()))}, not "
                f"{tuple(want[wrong[0]].shape)}" if wrong else ""]
         raise UserError(f"{path}: not a checkpoint of this ConvNet: {', '.join(w for w in why if w)}.")
-    plain_module(model).load_state_dict(state)
+    for key, t in state.items():
+        if t.is_floating_point() != want[key].is_floating_point() or t.is_complex():
+            raise UserError(f"{path}: {key} holds {t.dtype} numbers, where the ConvNet's are {want[key].dtype}.")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UserError(f"{path}: {key} holds NaN or infinite numbers; a trained model has none.")

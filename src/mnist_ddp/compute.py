@@ -100,3 +100,15 @@ def sync(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall-clock timings mean something."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for new processes now (Linux's MemAvailable), None where /proc does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -7,6 +7,7 @@ them in --help). A recipe is resolved once, where the command line is read: the
 bad flag answer at once.
 """
 
+import math
 import os
 import stat
 import time
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from . import inputfile
 from .errors import UserError
 
 Dataset = Literal["mnist", "fashion-mnist", "synthetic", "auto"]
@@ -30,6 +32,19 @@ DATASETS, OPTIMIZERS, SCHEDULERS, AMP, DEVICES, BACKENDS = map(
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
+
+
+MOST_SECONDS = 7 * 24 * 3600.0  # a week: the longest wait (--timeout and the like) a run may ask for
+MOST_SLOTS = 65_536  # micro-batches in one step (world × --accumulate): far past any machine's share
+MOST_EPOCHS = 100_000
+MOST_SAMPLES = 250_000  # synthetic images of one split (MNIST's train split: 60,000): ~200 MB, then refused
+
+
+def _finite(obj: object) -> None:
+    """Refuse a float field of `obj` that is not a finite number (inf, nan): every float flag is a quantity."""
+    for name, value in vars(obj).items():
+        _check(not isinstance(value, float) or math.isfinite(value),
+               f"--{name.replace('_', '-')} must be a finite number, not {value}.")
 
 
 def timestamped(prefix: str) -> str:
@@ -57,10 +72,15 @@ class DataConfig:
     test_only: bool = False  # evaluate needs only the t10k files; the train split is then empty
 
     def __post_init__(self) -> None:
+        _finite(self)
         for name in ("train_samples", "test_samples"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}.")
-        _check(self.download_timeout > 0, "--download-timeout must be positive.")
+            _check(self.dataset != "synthetic" or value is None or value <= MOST_SAMPLES,
+                   f"--{name.replace('_', '-')} {value} asks for more synthetic digits than the {MOST_SAMPLES:,} "
+                   f"mnist-ddp makes.")
+        _check(0 < self.download_timeout <= MOST_SECONDS,
+               f"--download-timeout must be positive seconds, at most a week, not {self.download_timeout}.")
 
     @property
     def splits(self) -> tuple[str, ...]:
@@ -83,11 +103,14 @@ class Recipe:
     amp: Amp
 
     def __post_init__(self) -> None:
+        _finite(self)
         _check(self.lr > 0, f"--lr must be positive, not {self.lr}.")
         _check(0 <= self.momentum < 1, f"--momentum must be in [0, 1), not {self.momentum}.")
         _check(self.weight_decay >= 0, "--weight-decay must not be negative.")
         _check(self.batch_size >= 1, f"--batch-size must be at least 1, not {self.batch_size}.")
+        _check(self.batch_size <= MOST_SAMPLES, f"--batch-size must be at most {MOST_SAMPLES:,}.")
         _check(self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
+        _check(self.epochs <= MOST_EPOCHS, f"--epochs must be at most {MOST_EPOCHS:,}, not {self.epochs}.")
         _check(0 <= self.label_smoothing < 1, "--label-smoothing must be in [0, 1).")
 
 
@@ -155,6 +178,8 @@ class TrainConfig:
     profile: int | None = None  # --profile: steps to profile in the first epoch (timeline.py); None = off
 
     def __post_init__(self) -> None:
+        _check(bool(self.out.strip()), "--out is empty; name the run's folder (e.g. --out runs/first).")
+        _finite(self)
         _check(self.nodes >= 1, f"-n/--nodes must be at least 1, not {self.nodes}.")
         _check(self.gpus >= 1, f"-g/--gpus must be at least 1, not {self.gpus}.")
         _check(0 <= self.node_rank < self.nodes,
@@ -162,13 +187,21 @@ class TrainConfig:
                f"{self.node_rank} is outside that range.")
         _check(self.master_port is None or 0 <= self.master_port <= 65535,
                f"--master-port {self.master_port} is not a port number (0-65535).")
-        _check(self.timeout > 0, f"--timeout must be positive seconds, not {self.timeout}.")
+        _check(0 < self.timeout <= MOST_SECONDS,
+               f"--timeout must be positive seconds, at most a week, not {self.timeout}.")
         _check(self.heartbeat >= 0, f"--heartbeat is seconds between beats (0: off), not {self.heartbeat}.")
+        _check(self.heartbeat <= self.timeout, f"--heartbeat {self.heartbeat} is longer than --timeout {self.timeout}: "
+               f"a rank would time out between two beats.")
         _check(not self.recover or self.heartbeat > 0,
                "--recover needs the heartbeat (--heartbeat > 0): the survivors tell a lost rank by its silence.")
         _check(not (self.recover and self.profile), "--recover and --profile cannot be combined; choose one.")
         _check(self.eval_batch_size >= 1, "--eval-batch-size must be at least 1.")
+        _check(self.eval_batch_size <= MOST_SAMPLES, f"--eval-batch-size must be at most {MOST_SAMPLES:,}.")
+        _check(0 <= self.seed < 2**63, f"--seed must be from 0 to 2**63 - 1, not {self.seed}.")
         _check(self.accumulate >= 1, f"--accumulate must be at least 1 micro-batch per step, not {self.accumulate}.")
+        _check(self.world_size * self.accumulate <= MOST_SLOTS,
+               f"-n × -g × --accumulate = {self.world_size * self.accumulate:,} micro-batches a step, more than the "
+               f"{MOST_SLOTS:,} mnist-ddp deals.")
         _check(self.log_every >= 1, f"--log-every must be at least 1 step, not {self.log_every}.")
         _check(self.profile is None or self.profile >= 1,
                f"--profile takes a number of steps of at least 1, not {self.profile}.")
@@ -216,6 +249,7 @@ def run_settings(cfg: TrainConfig, world_size: int) -> dict[str, str]:
 
 
 SECRET_VAR = "MNIST_DDP_SECRET"
+MOST_SECRET = 4096  # bytes
 
 
 def read_secret(path: str | None, env: Mapping[str, str]) -> bytes | None:
@@ -228,10 +262,16 @@ def read_secret(path: str | None, env: Mapping[str, str]) -> bytes | None:
         _check(value is None or bool(value.strip()),
                f"{SECRET_VAR} is set but empty; give it the job's secret (e.g. `openssl rand -hex 32`) or unset it.")
         return value.strip().encode() if value is not None else None
+    fd = inputfile.open_regular(path, "secret")
     try:
-        mode, secret = os.stat(path).st_mode, Path(path).read_bytes().strip()
+        mode, secret = os.fstat(fd).st_mode, os.read(fd, MOST_SECRET + 1)
     except OSError as e:
-        raise UserError(f"--secret-file {path} cannot be read ({e.strerror}).") from None
+        raise UserError(f"--secret-file {inputfile.shown(path)} cannot be read ({e.strerror}).") from None
+    finally:
+        os.close(fd)
+    _check(len(secret) <= MOST_SECRET, f"--secret-file {inputfile.shown(path)} holds more than {MOST_SECRET:,} bytes; "
+                                       f"a secret is one line (e.g. `openssl rand -hex 32`).")
+    secret = secret.strip()
     _check(not mode & 0o044, f"--secret-file {path} can be read by other users (mode {stat.S_IMODE(mode):04o}); "
                              f"make it yours alone: chmod 600 {path}.")
     _check(bool(secret), f"--secret-file {path} is empty; put the job's secret in it (e.g. `openssl rand -hex 32`).")
@@ -249,6 +289,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.batch_size >= 1, "--batch-size must be at least 1.")
+        _check(self.batch_size <= MOST_SAMPLES, f"--batch-size must be at most {MOST_SAMPLES:,}.")
 
 
 @dataclass(frozen=True)
@@ -275,6 +316,7 @@ class ExportConfig:
     def __post_init__(self) -> None:
         _check(self.onnx.endswith(".onnx"), f"--onnx {self.onnx}: name the file *.onnx.")
         _check(self.check_images >= 1, f"--check-images must be at least 1, not {self.check_images}.")
+        _check(self.check_images <= MOST_SAMPLES, f"--check-images must be at most {MOST_SAMPLES:,}.")
 
 
 @dataclass(frozen=True)
@@ -293,8 +335,12 @@ class BenchConfig:
     json: str | None = None  # None = <out>/bench.json
 
     def __post_init__(self) -> None:
+        _finite(self)
+        _check(bool(self.out.strip()), "--out is empty; name the folder (e.g. --out runs/bench).")
+        _check(self.tutorial_seconds <= MOST_SECONDS, "--tutorial-seconds must be at most a week.")
         _check(self.procs is None or self.procs >= 1, f"-g/--gpus must be at least 1, not {self.procs}.")
         _check(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}.")
+        _check(self.epochs is None or self.epochs <= MOST_EPOCHS, f"--epochs must be at most {MOST_EPOCHS:,}.")
         _check(self.tutorial_epochs >= 1, f"--tutorial-epochs must be at least 1, not {self.tutorial_epochs}.")
         _check(self.tutorial_seconds > 0, "--tutorial-seconds must be positive.")
         _check(0 < self.target <= 1, f"--target is a test accuracy between 0 and 1, not {self.target}.")

@@ -143,8 +143,6 @@ def _download(source: Source, folder: Path, splits: tuple[str, ...], mirrors: tu
 def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | None) -> Split:
     images = idx.read(files[split, "images"], idx.IMAGES_MAGIC)
     labels = idx.read(files[split, "labels"], idx.LABELS_MAGIC)
-    if images.shape[1:] != (28, 28):
-        raise UserError(f"{files[split, 'images']}: images are {tuple(images.shape[1:])}, expected 28x28.")
     if len(labels) != len(images):
         raise UserError(f"{files[split, 'labels']}: {len(labels)} labels for {len(images)} images.")
     if not len(images):

@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+MOST_BYTES = 64 << 20  # a download: the published files are 10-30 MB; a mirror that sends more is not one
+
 
 class DownloadError(Exception):
     """A download that did not produce a verified file; the message says why."""
@@ -40,6 +42,8 @@ def fetch(url: str, dest: Path, md5: str, timeout: float) -> None:
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
+                if size > MOST_BYTES:
+                    raise DownloadError(f"{url}: sent more than {MOST_BYTES:,} bytes, more than the file has")
             out.flush()
             os.fsync(out.fileno())
         if expected_size is not None and size != int(expected_size):

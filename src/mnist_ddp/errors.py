@@ -11,6 +11,8 @@ import json
 
 from . import untrusted
 
+LINE = 2000  # characters of an error message shown at most
+
 
 class UserError(Exception):
     """Bad input: printed as one line by the CLI, exit code 2."""
@@ -28,7 +30,9 @@ def last_word(e: UserError | KeyboardInterrupt) -> tuple[str, int]:
     """What the command says on stderr when `e` ends it, and its exit code."""
     if isinstance(e, KeyboardInterrupt):
         return "mnist-ddp: interrupted.", 130
-    return f"mnist-ddp: error: {e}", e.exit_code
+    # One line whatever the message quotes (a file name, a header field, a peer's words): every control
+    # character escaped, so nothing from elsewhere can break the line or repaint the terminal.
+    return f"mnist-ddp: error: {untrusted.printable(str(e), limit=LINE)}", e.exit_code
 
 
 def relay(e: UserError, echo: bool = False) -> bytes:

@@ -112,12 +112,13 @@ def run(cfg: ExportConfig) -> int:
     if out.exists():
         raise UserError(f"--onnx {out} already exists; choose another name or remove it first.")
     model, ckpt = model_file.load_model(path)
-    normalize = infer.normalizes(ckpt)
+    was = infer.trained(ckpt, path)
+    normalize = was.normalize
     metadata = {
         "source": str(path), "input": f"{INPUT}: (N, 1, 28, 28) float32 pixels in [0, 1], light ink on a dark page",
         "output": f"{OUTPUT}: (N, 10), one per class", "normalization": json.dumps(
             {"mean": MEAN, "std": STD, "applied": "inside the graph"} if normalize else None),
-        "dataset": infer.trained_on(ckpt), "classes": json.dumps(infer.classes(ckpt)),
+        "dataset": was.dataset, "classes": json.dumps(was.classes),
         **({"test_accuracy": repr(ckpt["test_accuracy"])} if "test_accuracy" in ckpt else {}),
     }
     data = to_onnx(model, normalize, metadata)

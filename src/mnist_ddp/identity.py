@@ -77,14 +77,19 @@ class Identity:
         return self.local_world_size == self.world_size
 
 
+MOST = 1 << 20  # the largest rank, world size or restart count a launcher may hand us: far past any cluster
+
+
 def _int(env: Mapping[str, str], key: str) -> int | None:
-    """`env[key]` as an integer, None when absent; a value that is no number is the user's to fix."""
+    """`env[key]` as an integer from 0 to `MOST` (a port: to 65535), None when absent; any other value is the user's
+    to fix."""
     if key not in env:
         return None
-    try:
-        return int(env[key])
-    except ValueError:
-        raise UserError(f"environment variable {key}={env[key]!r} is not an integer.") from None
+    most = 65535 if key.endswith("_PORT") else 2**32 if key.endswith("JOB_ID") else MOST
+    value = env[key].strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 12 and int(value) <= most):
+        raise UserError(f"environment variable {key}={env[key][:40]!r} is not a whole number from 0 to {most:,}.")
+    return int(value)
 
 
 def first_host(nodelist: str) -> str:
@@ -111,7 +116,7 @@ def _place(rank: int, world: int, local_rank: int, local_world: int | None, name
         raise UserError(f"{world_key}={world}: a job needs at least one process.")
     if not 0 <= rank < world:
         raise UserError(f"{rank_key}={rank} does not fit {world_key}={world}: ranks run from 0 to {world - 1}.")
-    if local_rank < 0 or (local_world is not None and local_rank >= local_world):
+    if local_world is not None and local_rank >= local_world:
         raise UserError(f"{local_key}={local_rank} does not fit the {local_world} process(es) on this node.")
     return local_world or 1
 

@@ -1,24 +1,29 @@
 """A user's digit from a PNG, JPEG, BMP or GIF file, the way MNIST draws one, decoded safely by Pillow.
 
-A file is untrusted input: its declared size is checked before any pixel is decoded
-(Pillow's decompression-bomb limit, its warning made an error too), JPEGs are decoded
-at reduced scale, and anything Pillow cannot read becomes one `UserError` naming the file.
+A file is untrusted input: read as every input file is (`inputfile`: a regular file, at most `MOST_BYTES`), its
+declared size is checked before any pixel is decoded (Pillow's decompression-bomb limit, its warning made an
+error too), JPEGs are decoded at reduced scale, and anything Pillow cannot read becomes one `UserError` naming
+the file.
 """
 
+import io
+import struct
 import warnings
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageOps, ImageStat, UnidentifiedImageError
 
+from . import inputfile
 from .errors import UserError
 
 SIDE = 28  # MNIST's images are 28x28
 FORMATS = ("PNG", "JPEG", "BMP", "GIF")  # the only Pillow decoders we expose to untrusted files
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
-# 64 Mi pixels is more than any phone photo; a larger declared size is refused before decoding. Pillow
-# warns above its limit and refuses above twice it; the warning is an error here, so this is the limit.
-MAX_PIXELS = 64 * 1024 * 1024
+# 32 Mi pixels is a 33-megapixel photo (~130 MB decoded as RGBA); a larger declared size is refused before
+# decoding. Pillow warns above its limit and refuses above twice it; the warning is an error here, so this is the limit.
+MAX_PIXELS = 32 * 1024 * 1024
+MOST_BYTES = 64 << 20  # an image file
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 
 
@@ -29,18 +34,22 @@ def is_image(path: Path) -> bool:
 
 def read_digit(path: Path) -> torch.Tensor:
     """A (28, 28) uint8 image, light digit on black: any size, grey or colour, GIFs by their first frame."""
+    data = inputfile.read(path, MOST_BYTES, "image")
+    path = inputfile.shown(path)  # type: ignore[assignment]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path, formats=FORMATS) as img:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
                 img.draft("L", (SIDE, SIDE))  # JPEG: decode straight to grey at up to 1/8 scale; others: no-op
                 grey = _grey(img)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise UserError(f"{path}: refused, it declares more than {MAX_PIXELS:,} pixels (a decompression bomb?).") from e
     except UnidentifiedImageError as e:
         raise UserError(f"{path}: not a {', '.join(FORMATS)} image.") from e
-    except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow's decoders raise on damaged files
-        raise UserError(f"{path}: cannot be read ({e}); the image is damaged or a variant Pillow cannot decode.") from e
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error) as e:
+        # what Pillow's decoders raise on damaged files
+        raise UserError(f"{path}: cannot be read ({str(e)[:200]}); the image is damaged or a variant Pillow cannot "
+                        f"decode.") from e
     return _mnist_like(grey)
 
 

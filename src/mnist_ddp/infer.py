@@ -2,48 +2,63 @@
 the Python API (api.py) returns: an `Evaluation`, and a `Prediction` per image."""
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from . import compute, datasets, idx, images, model_file
+from . import compute, datasets, idx, images, inputfile, model_file
 from .batches import ShardedBatches, model_input
-from .config import EvalConfig, PredictConfig
+from .config import AMP, DATASETS, EvalConfig, PredictConfig
 from .distributed import Dist, pick_device
 from .errors import UserError
 from .evaluation import evaluate
 from .results import Evaluation, Prediction
 
 
-def normalizes(ckpt: dict) -> bool:
-    """Whether the checkpoint's model was trained on normalised pixels (the tutorial's was not)."""
-    return bool(ckpt.get("config", {}).get("normalize", False))
+@dataclass(frozen=True)
+class Trained:
+    """What a model file says of how its model was trained, checked: a bare state_dict says nothing, so MNIST's
+    pixels, not normalised, in fp32."""
+
+    dataset: str = "mnist"
+    normalize: bool = False
+    amp: str = "off"
+    channels_last: bool | None = None
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The names of the model's 10 outputs: its dataset's (synthetic's are digits, as MNIST's)."""
+        return datasets.SOURCES.get(self.dataset, datasets.SOURCES["mnist"]).classes
 
 
-def trained_on(ckpt: dict) -> str:
-    """The --dataset the checkpoint was trained with; a bare state_dict says nothing, so mnist."""
-    return ckpt.get("config", {}).get("data", {}).get("dataset", "mnist")
-
-
-def classes(ckpt: dict) -> tuple[str, ...]:
-    """The names of the model's 10 outputs: its dataset's (synthetic's are digits, as MNIST's)."""
-    return datasets.SOURCES.get(trained_on(ckpt), datasets.SOURCES["mnist"]).classes
+def trained(ckpt: dict, name: str | Path) -> Trained:
+    """`ckpt`'s record of its training, each value of the kind a run writes, else one sentence naming `name`."""
+    config = ckpt.get("config", {})
+    data = config.get("data", {}) if isinstance(config, dict) else None
+    found = Trained(dataset=data.get("dataset", "mnist") if isinstance(data, dict) else None,  # type: ignore[arg-type]
+                    **{k: config.get(k, getattr(Trained, k)) for k in ("normalize", "amp", "channels_last")}
+                    if isinstance(config, dict) else {})
+    if not (found.dataset in DATASETS and found.dataset != "auto" and isinstance(found.normalize, bool)
+            and found.amp in AMP and found.channels_last in (None, True, False)):
+        raise UserError(f"{inputfile.shown(name)}: its recorded settings are not a run's (dataset, normalize, amp, "
+                        f"channels_last): {inputfile.shown(repr(found))[:200]}.")
+    return found
 
 
 def evaluation(cfg: EvalConfig) -> Evaluation:
     """The checkpoint's test metrics, in the precision and layout it was trained in."""
     model, ckpt = model_file.load_model(Path(cfg.checkpoint))
+    was = trained(ckpt, cfg.checkpoint)
     device = pick_device(cfg.device, 0, 1)
-    name = trained_on(ckpt) if cfg.data.dataset == "auto" else cfg.data.dataset
+    name = was.dataset if cfg.data.dataset == "auto" else cfg.data.dataset
     data = datasets.load(replace(cfg.data, dataset=name, train_samples=None, test_only=True))
     # The precision and layout the run evaluated in, so that on the same device this reproduces its test
     # metrics (a bare state_dict says nothing: fp32).
-    trained = ckpt.get("config", {})
-    amp = compute.amp_for(trained.get("amp", "off"), device)
-    channels_last = compute.channels_last_for(trained.get("channels_last"), device)
+    amp = compute.amp_for(was.amp, device)
+    channels_last = compute.channels_last_for(was.channels_last, device)
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
-                             shuffle=False, pad=False, normalize=normalizes(ckpt), channels_last=channels_last)
+                             shuffle=False, pad=False, normalize=was.normalize, channels_last=channels_last)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
     return Evaluation(result.accuracy, result.correct, result.count, result.loss, data.name, data.where,
@@ -66,10 +81,10 @@ def _inputs(names: tuple[str, ...]) -> list[Path]:
             if not found:
                 raise UserError(f"{name}: a folder with no {'/'.join(images.SUFFIXES)} files.")
             paths += found
-        elif name.is_file():
+        elif name.exists() or name.is_symlink():  # what is not a regular file is refused as it is read (inputfile)
             paths.append(name)
         else:
-            raise UserError(f"{name}: no such file or folder.")
+            raise UserError(f"{inputfile.shown(name)}: no such file or folder.")
     return paths
 
 
@@ -77,10 +92,7 @@ def _images(path: Path) -> torch.Tensor:
     """(N, 28, 28) uint8 images from an image file (one image) or an IDX file."""
     if images.is_image(path):
         return images.read_digit(path)[None]
-    found = idx.read(path, idx.IMAGES_MAGIC)
-    if found.shape[1:] != (28, 28):
-        raise UserError(f"{path}: images are {tuple(found.shape[1:])}, the model needs 28x28.")
-    return found
+    return idx.read(path, idx.IMAGES_MAGIC)  # 28x28 images, or refused
 
 
 def read_files(names: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,9 +106,10 @@ def predictions(cfg: PredictConfig, sources: Iterable[tuple[str, torch.Tensor]])
     model, ckpt = model_file.load_model(Path(cfg.checkpoint))
     device = pick_device(cfg.device, 0, 1)
     model.to(device).eval()
-    names = classes(ckpt)
+    was = trained(ckpt, cfg.checkpoint)
+    names = was.classes
     for name, batch in sources:
-        x = model_input(batch.to(device), normalizes(ckpt))
+        x = model_input(batch.to(device), was.normalize)
         with torch.inference_mode():
             probs = torch.cat([model(chunk).softmax(1) for chunk in x.split(1000)]).cpu()
         top = probs.topk(cfg.top, dim=1)

@@ -2,6 +2,7 @@
 
 The file itself (atomic writes, the digest, the safe loader) is checkpoint.py's."""
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint, model_file
+from . import checkpoint, inputfile, model_file, schedule
 from .batches import Share
 from .config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
 from .distributed import Dist
 from .errors import UserError
 from .evaluation import EvalResult
+from .model import ConvNet
+from .steps import running_stats
 
 
 @dataclass
@@ -105,10 +108,108 @@ def check_same_run(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:
                         f"resume with the same settings or start a new --out.")
 
 
+MOST_SLOTS = 1 << 20  # a run's micro-batches per step: far more than any world × --accumulate that fits a machine
+
+
+def check_resumable(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:
+    """Refuse a checkpoint that `resume` could not continue: another run's (`check_same_run`), or one whose
+    training state is not what a run of this ConvNet saves: each part is tried on a scratch copy, so that a
+    damaged checkpoint.pt is refused here, where checkpoint.prev.pt can still stand in (`checkpoint.load_latest`)."""
+    name = inputfile.shown(path)
+
+    def refuse(part: str, why: str) -> UserError:
+        return UserError(f"{name}: damaged: its {part} {why}, not what a run saves.")
+
+    saved = ckpt.get("config", {})
+    if not (isinstance(saved, dict) and isinstance(saved.get("data", {}), dict) and _plain(saved)):
+        raise refuse("config", "is not a run's settings (plain values by name)")
+    check_same_run(cfg, path, ckpt)
+
+    scratch = ConvNet()
+    checkpoint.restore_model(scratch, ckpt["model"], name)
+    opt, _ = schedule.build_optimizer(cfg.recipe, scratch)
+    _check_optimizer(ckpt["optimizer"], opt, refuse)
+    rng = ckpt["rng"]
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == torch.get_rng_state().shape):
+        raise refuse("rng", "is not the CPU generator's state")
+    try:
+        torch.Generator().set_state(rng)
+    except RuntimeError:
+        raise refuse("rng", "is not a valid generator state") from None
+    progress = ckpt["progress"]
+    fields = {f: type(getattr(Progress(), f)) for f in vars(Progress())}
+    if not (isinstance(progress, dict) and set(progress) in (set(fields), set(fields) - {"consumed"} | {"step"})):
+        raise refuse("progress", f"is not {', '.join(fields)}")
+    for key, value in progress.items():
+        kind = fields.get(key, int)
+        if not (type(value) is kind or (kind is float and type(value) is int)) or not math.isfinite(value) \
+                or value < (-1 if key == "best_accuracy" else 0) or value > (1 if key == "best_accuracy" else 1e15):
+            raise refuse("progress", f"has {key} = {inputfile.shown(repr(value))[:40]}")
+    for key in ("world_size", "slots", "micro_batches"):
+        value = saved.get(key, 1) if key == "world_size" else ckpt.get(key, 1)
+        if not (type(value) is int and 1 <= value <= MOST_SLOTS):
+            raise refuse(key, f"is {inputfile.shown(repr(value))[:40]}")
+    parts = ckpt.get("batchnorm_parts")
+    width = sum(b.numel() for b in running_stats(scratch))
+    if parts is not None and not (isinstance(parts, torch.Tensor) and parts.is_floating_point() and parts.dim() == 2
+                                  and parts.shape[1] == width and bool(torch.isfinite(parts).all())):
+        raise refuse("batchnorm_parts", f"are not rows of this ConvNet's {width} BatchNorm statistics")
+    if not isinstance(ckpt.get("run_id", ""), str) or not isinstance(ckpt.get("scaler", {}), dict):
+        raise refuse("run_id or scaler", "is of the wrong kind")
+
+
+def _check_optimizer(saved: Any, opt: torch.optim.Optimizer, refuse: Any) -> None:
+    """Refuse an optimizer state that is not `opt`'s kind: its groups' settings of the same types, finite, and each
+    parameter's state tensors of that parameter's shape, finite."""
+    fresh = opt.state_dict()
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(groups, list)
+            and len(groups) == len(fresh["param_groups"])):
+        raise refuse("optimizer", "is not a state_dict of the recipe's optimizer")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for group, want in zip(saved["param_groups"], fresh["param_groups"], strict=True):
+        if not (isinstance(group, dict) and set(group) == set(want) and group["params"] == want["params"]):
+            raise refuse("optimizer", "has groups that are not the recipe optimizer's")
+        for key, value in group.items():
+            if key != "params" and not _like(value, want[key]):
+                raise refuse("optimizer", f"has {key} = {inputfile.shown(repr(value))[:40]}")
+    for index, state in saved["state"].items():
+        if not (type(index) is int and 0 <= index < len(params) and isinstance(state, dict)):
+            raise refuse("optimizer", "has state for a parameter the ConvNet does not have")
+        for key, value in state.items():
+            shape = () if key == "step" else params[index].shape
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shape
+                    and bool(torch.isfinite(value).all())):
+                raise refuse("optimizer", f"has a {inputfile.shown(str(key))[:40]} that is not {tuple(shape)} "
+                             f"finite numbers")
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` is made of what JSON holds (what a run's settings are), with string keys."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, str | int | float)
+
+
+def _like(value: Any, want: Any) -> bool:
+    """Whether a saved setting is of the fresh one's kind: a finite number for a number, the same for the rest."""
+    if isinstance(want, bool) or want is None or isinstance(want, str):
+        return type(value) is type(want)
+    if isinstance(want, int | float):
+        return type(value) in (int, float) and math.isfinite(value)
+    if isinstance(want, tuple | list):
+        return isinstance(value, tuple | list) and len(value) == len(want) and all(map(_like, value, want))
+    if isinstance(want, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == want.shape and bool(torch.isfinite(value).all())
+    return False
+
+
 def resume(path: Path, t: Training, cfg: TrainConfig, d: Dist, n: int, say: Any) -> Resumed | None:
     """Restore `t` from `path` (else the intact checkpoint saved before it); None if there is none yet.
     Rank 0 reads it and sends it to every rank, so nodes without a shared file system resume too."""
-    found = d.from_main(lambda: checkpoint.load_latest(path, lambda p, c: check_same_run(cfg, p, c), say),
+    found = d.from_main(lambda: checkpoint.load_latest(path, lambda p, c: check_resumable(cfg, p, c), say),
                         checkpoint.pack, checkpoint.unpack)
     if found is None:
         say(f"resume: no checkpoint in {cfg.out} yet, starting from scratch")
