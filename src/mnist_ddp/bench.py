@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import datasets, rendezvous, tutorial
+from . import datasets, launch, rendezvous, tutorial
 from .config import BenchConfig, DataConfig
 from .errors import UserError
 from .identity import without_launcher_vars
@@ -187,6 +187,8 @@ def run(cfg: BenchConfig) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
     procs = cfg.procs or (torch.cuda.device_count() if device == "cuda" else 2)
+    if device == "cpu":
+        launch.fits_cores_and_memory(procs)
     if device == "cuda" and procs > torch.cuda.device_count():
         raise UserError(f"-g/--gpus {procs} asks for more GPUs than the {torch.cuda.device_count()} visible here.")
     req, data = _pick_data(cfg)

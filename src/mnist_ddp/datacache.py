@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, idx
+from . import atomic, idx, inputfile
 from .download import file_lock
 from .errors import UserError, WriteFailed
 
@@ -60,8 +60,9 @@ def _read(folder: Path, names: tuple[str, ...]) -> Tensors | None:
     found = {}
     try:
         for name in names:
-            raw = (folder / name).read_bytes()
-            if hashlib.sha256(raw).hexdigest() != _digest(folder / name).read_text().strip():
+            raw = inputfile.read(folder / name, idx.MOST * 28 * 28 + 16, "cached data file")
+            said = inputfile.read(_digest(folder / name), 100, "digest").decode().strip()
+            if hashlib.sha256(raw).hexdigest() != said:
                 return None
             found[name] = idx.parse(raw, idx.IMAGES_MAGIC if "images" in name else idx.LABELS_MAGIC, name)
     except (OSError, UnicodeDecodeError, UserError):  # missing, truncated or corrupt: make it again

@@ -215,7 +215,7 @@ def preflight(cfg: TrainConfig) -> None:
         raise UserError(f"-g/--gpus {cfg.gpus} asks for more GPUs than the {torch.cuda.device_count()} visible here "
                         f"(NCCL needs one GPU per process; --backend gloo lets processes share them).")
     if not cuda:  # asked for explicitly (--device cpu/mps) or because there is no GPU
-        _fits_cores_and_memory(cfg.gpus)
+        fits_cores_and_memory(cfg.gpus)
         if cfg.sync_bn:
             raise UserError("--sync-bn needs CUDA GPUs (it synchronises BatchNorm over nccl); this run has none.")
         if cfg.recipe.amp == "fp16":
@@ -234,7 +234,7 @@ PROCESSES_PER_CORE = 4  # -g on a CPU: worker processes; more than this many a c
 WORKER_BYTES = 500 << 20  # what a CPU worker holds at its peak on MNIST's 60,000 images (measured: ~475 MB)
 
 
-def _fits_cores_and_memory(processes: int) -> None:
+def fits_cores_and_memory(processes: int) -> None:
     """Refuse more CPU worker processes than this machine can run: `PROCESSES_PER_CORE` a core (8 at least), and
     `WORKER_BYTES` each of the memory available now."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -35,7 +35,12 @@ class Reporter:
     @classmethod
     def for_run(cls, cfg: TrainConfig, *, enabled: bool, world_size: int) -> "Reporter":
         """A training run's Reporter, with what its flags ask for: the bar, plots, TensorBoard, MLflow."""
-        return cls(Path(cfg.out), enabled, cfg.progress, cfg.plots, cfg.tensorboard, tracking.for_run(cfg, world_size))
+        reporter = cls(Path(cfg.out), enabled, cfg.progress, cfg.plots, cfg.tensorboard,
+                       tracking.for_run(cfg, world_size))
+        if enabled:  # a resumed run's records, checked before anything reads the checkpoint or writes
+            for path in (reporter.metrics_path, reporter.steps_path, reporter.timing_path):
+                read_jsonl(path)
+        return reporter
 
     def begin(self, step: int) -> None:
         """Training starts, or resumes, after `step` training samples of the run: what a lost run logged after
@@ -46,8 +51,7 @@ class Reporter:
             self.tb = TensorBoard(self.out / "tb", step)
         if self.mlflow is not None:
             self.tracker = tracking.MLflowRun(self.out, self.mlflow, self.say)
-        if self.steps_path.exists():
-            self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
+        self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
 
     @timing.charged("outputs")
     def steps(self, points: list[dict[str, float]]) -> None:
@@ -82,8 +86,7 @@ class Reporter:
         (a resume adds one), then the `time:` line, the run's last."""
         if not (self.enabled and seconds):
             return
-        before = self.timing_path.read_text().splitlines() if self.timing_path.exists() else []
-        _write_lines(self.timing_path, [*before, json.dumps(seconds)])
+        _write_lines(self.timing_path, [json.dumps(line) for line in [*read_jsonl(self.timing_path), seconds]])
         self.say(timing.line(seconds))
 
     def say(self, line: str) -> None:
@@ -112,8 +115,7 @@ class Reporter:
         """On resume: drop metric lines of epochs the checkpoint does not include (they are redone)."""
         if not (self.enabled and self.metrics_path.exists()):
             return
-        _write_lines(self.metrics_path, [line for line in self.metrics_path.read_text().splitlines()
-                                         if line.strip() and json.loads(line)["epoch"] <= epoch])
+        _write_lines(self.metrics_path, [json.dumps(m) for m in read_jsonl(self.metrics_path) if m["epoch"] <= epoch])
 
     @timing.charged("outputs")
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
@@ -121,8 +123,7 @@ class Reporter:
         TensorBoard, MLflow."""
         if not self.enabled:
             return
-        before = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        _write_lines(self.metrics_path, [*before, json.dumps(metrics)])
+        _write_lines(self.metrics_path, [json.dumps(m) for m in [*read_jsonl(self.metrics_path), metrics]])
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
@@ -147,7 +148,7 @@ class Reporter:
             self.tb.epoch(step, metrics, figure)
 
     def history(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.metrics_path) if self.metrics_path.exists() else []
+        return read_jsonl(self.metrics_path)
 
     def _plot(self, figure_class: Any, confusion_figure: Any) -> None:
         """curves.png (the train loss of every logged step and each epoch's losses and test accuracy, against

@@ -6,18 +6,43 @@ dependency). Plain Python, no torch: `import mnist_ddp` stays instant.
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import inputfile
 from .config import TrainConfig
+from .errors import UserError
 
 PLOTS = {"curves": "curves.png", "confusion": "confusion.png", "timeline": "profile/timeline.png"}
 
 
+MOST_RECORDS = 64 << 20  # bytes of one .jsonl file of a run: an epoch's line is ~500, a logged step's ~100
+FIELDS = {"metrics.jsonl": ("epoch",), "steps.jsonl": ("samples", "train_loss", "lr")}  # what a reader needs
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The objects of a .jsonl file, one per line (the run's outputs: metrics.jsonl, steps.jsonl)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The objects of one of a run's .jsonl files (metrics.jsonl, steps.jsonl, timing.jsonl), one per line, each
+    with the number fields its readers need (`FIELDS`); none when the file is not there. Anything else is one
+    sentence naming the file and the line (`inputfile`'s rules for the file itself)."""
+    if not os.path.lexists(path):
+        return []
+    raw = inputfile.read(path, MOST_RECORDS, "file of a run's records")
+    records = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if not (isinstance(record, dict) and all(isinstance(record.get(k), int | float) and not
+                                                 isinstance(record.get(k), bool) for k in FIELDS.get(path.name, ()))):
+            raise UserError(f"{inputfile.shown(path)}: line {n} is not one of mnist-ddp's records; move the file "
+                            f"aside (nothing else needs it) and run again.")
+        records.append(record)
+    return records
 
 
 def _dataframe(rows: list[dict[str, Any]], name: str) -> Any:
@@ -54,7 +79,7 @@ class Run:
         def found(name: str) -> Path | None:
             return out / name if (out / name).is_file() else None
 
-        metrics, steps = (read_jsonl(p) if (p := found(name)) else [] for name in ("metrics.jsonl", "steps.jsonl"))
+        metrics, steps = (read_jsonl(out / name) for name in ("metrics.jsonl", "steps.jsonl"))
         plots = {key: p for key, name in PLOTS.items() if (p := found(name))}
         return cls(out, metrics, steps, found("checkpoint.pt"), found("best.pt"), plots, config,
                    found("model.safetensors"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import atomic, extras
+from . import atomic, extras, inputfile, untrusted
 from .config import TrainConfig
 from .errors import UserError
 
@@ -81,11 +81,12 @@ class MLflowRun:
     def _continued(self, say: Any) -> str | None:
         """The run id `<out>/mlflow-run.json` names, when it is of this store and the store still has it."""
         try:
-            record = json.loads((self.out / RUN_FILE).read_text())
-            run_id, uri = str(record["run_id"]), record["tracking_uri"]
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):
+            if not os.path.lexists(self.out / RUN_FILE):
+                return None
+            record = untrusted.record(inputfile.read(self.out / RUN_FILE, 1 << 16, "record of an MLflow run"),
+                                      {"run_id": str, "tracking_uri": str}, limit=1000)
+            run_id, uri = record["run_id"], record["tracking_uri"]
+        except (UserError, ValueError):
             say(f"mlflow: {self.out / RUN_FILE} is unreadable; starting a new MLflow run")
             return None
         if uri != self.uri:
