@@ -16,8 +16,10 @@ SEED ?= 1
 TRIALS ?= 200
 BUDGET ?= 3600
 ONLY ?=
+EXAMPLES ?= 1000
+FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 
-.PHONY: train test lint bench soak chaos clean
+.PHONY: train test lint bench soak chaos fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +58,14 @@ soak: $(VENV)/.dev
 # out). Needs root for namespaces and the full disk.
 chaos: $(VENV)/.dev
 	$(BIN)/python tests/chaos.py --seed $(SEED) --trials $(TRIALS) --budget $(BUDGET) $(if $(ONLY),--only $(ONLY)) $(if $(FIRST),--first $(FIRST))
+
+# Not part of CI (which runs tests/test_fuzz.py with a fixed seed and a few examples each): EXAMPLES generated inputs
+# per property with a new seed (FUZZ_SEED=s repeats one); each input that broke the bad-input contract is printed,
+# shrunk, with the seed to replay it. Add it to tests/test_fuzz.py as an @example.
+fuzz: $(VENV)/.dev
+	FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest tests/test_fuzz.py -p no:cacheprovider -q --timeout 0 \
+		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics -k generated; \
+	rc=$$?; echo "fuzz: seed $(FUZZ_SEED), $(EXAMPLES) examples per property, pytest exit $$rc"; exit $$rc
 
 bench: $(VENV)/.plot
 	$(BIN)/mnist-ddp bench $(ARGS)
