@@ -220,7 +220,7 @@ def part_ddp_capture(c: Check) -> dict[str, Any]:
     result = ddp_capture(c)
     if c.device == "cuda" and "captured" not in result["step"]:  # refused under mnist-ddp's setting: the recipe's
         result["under_async_error_handling_0"] = ddp_capture(c, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
-    if graph := c.results.get("speeds", {}).get("graph"):
+    if (graph := c.results.get("speeds", {}).get("graph")) and "captured" in result["images_per_second"]:
         result["captured_ddp_over_graph_step"] = result["images_per_second"]["captured"] / graph
     return result
 
@@ -369,6 +369,12 @@ def write_summary(c: Check) -> None:
                                       f"{', quick' if c.args.quick else ''})\n\n" + "\n".join(lines) + "\n")
 
 
+def stalled(c: Check) -> dict[str, Any]:
+    """A part that never ends by itself (--stall, for the tests): what its time limit then does is recorded."""
+    code, output = c.python("-c", "import time; time.sleep(10**6)")
+    raise PartFailed("stopped by its time limit" if code is None else f"exit code {code}: {last_line(output)}")
+
+
 def run_part(c: Check, part: Part, start: float) -> None:
     left = c.args.budget - (time.monotonic() - start) - RESERVE_S
     limit = min(c.args.limits.get(part.name, part.limit), left)
@@ -380,7 +386,7 @@ def run_part(c: Check, part: Part, start: float) -> None:
         began = time.monotonic()
         c.deadline = began + limit
         try:
-            record |= {"status": "done", "result": part.run(c)}
+            record |= {"status": "done", "result": (stalled if part.name in c.args.stall else part.run)(c)}
         except (PartFailed, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
             timed_out = isinstance(e, subprocess.TimeoutExpired) or "time limit" in str(e)
             record |= {"status": "timed out" if timed_out else "failed", "result": {"why": str(e)}}
@@ -401,6 +407,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="where the three result files go (default: $OUT, else runs/gpu-check-<time>)")
     p.add_argument("--work", help="the runs' folders and the data cache (default: a temporary folder, removed)")
     p.add_argument("--plan", action="store_true", help="print the parts and their limits, run nothing")
+    p.add_argument("--stall", action="append", default=[], metavar="PART",
+                   help="for the tests: PART runs a process that never ends, so that its time limit stops it")
     a = p.parse_args(argv)
     names = [part.name for part in PARTS]
     a.only = a.only.split(",") if a.only else names

@@ -16,6 +16,7 @@ from datafiles import one_thread, write_idx
 from mnist_ddp import checkpoint, cli, model_file, synthetic
 from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.results import Run
+from test_untrusted import _torch_file
 
 pytest.importorskip("safetensors")  # the dev extra installs it
 from safetensors import safe_open
@@ -157,6 +158,21 @@ DAMAGE: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "a PNG": (lambda data: b"\x89PNG\r\n\x1a\n" + b"\0" * 64, "not a safetensors file"),
     "a pickle": (_pickled, "not a safetensors file"),
 }
+
+
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+def test_a_pickle_that_runs_code_named_safetensors_is_never_unpickled(tmp_path: Path, command: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A torch.save'd payload that creates a file when unpickled (test_untrusted shows that it does), saved as
+    model.safetensors: refused as not a safetensors file, and the file is never made."""
+    marker, path = tmp_path / "code-ran", tmp_path / "model.safetensors"
+    path.write_bytes(_torch_file(marker))
+    image = tmp_path / "zeros-idx3-ubyte"
+    write_idx(image, torch.zeros(1, 28, 28, dtype=torch.uint8))
+    argv = ["evaluate", str(path), *EVALUATE] if command == "evaluate" else ["predict", str(path), str(image)]
+    code, _, err = _main(capsys, *argv)
+    assert code == 2 and "not a safetensors file" in err, err
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("kind", DAMAGE)

@@ -13,18 +13,24 @@ import pytest
 from conftest import cli_env, tiny
 from mnist_ddp import timing
 
-EXEC_AND_READ_S = 0.5  # launch → the process's start, and its print → our read: milliseconds, unless the box is busy
+
+def test_process_start_is_read_from_the_kernels_record() -> None:
+    """The start is the stat record's starttime (field 22, after a name that may hold spaces and parentheses), in
+    ticks since boot, put on the caller's clock: 1234 ticks of 1/100 s after boot, read at 100 s of boot clock and
+    1,000 s of wall clock, is 912.34 s; a start read as later than now is now."""
+    stat = "4242 (a (tricky) name) S " + " ".join(["0"] * 18) + " 1234 0 0"
+    assert timing.started(stat, boottime=100.0, now=1000.0, ticks_per_s=100) == pytest.approx(912.34)
+    assert timing.started(stat, boottime=12.0, now=1000.0, ticks_per_s=100) == 1000.0
 
 
-def test_process_start_is_when_the_process_began_not_when_asked() -> None:
-    """The clock's origin is the process's start (before the interpreter ran), not the first call."""
-    before = time.time()
-    probe = ("import time; ran = time.time(); time.sleep(0.3); from mnist_ddp import timing; "
-             "print(ran, timing.process_start())")
+def test_process_start_is_the_same_whenever_asked() -> None:
+    """Asked at two moments with work between, the process's start is one moment, not when it was asked (to the
+    kernel's tick: each answer rounds the boot clock's reading differently)."""
+    probe = ("from mnist_ddp import timing; a = timing.process_start(); sum(range(10**7)); "
+             "print(a, timing.process_start())")
     out = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, check=True)
-    ran, started = map(float, out.stdout.split())
-    tick = 0.02  # /proc/self/stat counts in 1/100 s, rounded down
-    assert before - tick <= started <= ran, (before, started, ran)
+    first, again = map(float, out.stdout.split())
+    assert again == pytest.approx(first, abs=0.011)
 
 
 def test_parts_take_turns_and_add_up() -> None:
@@ -60,27 +66,24 @@ def test_outside_a_run_nothing_is_timed() -> None:
 
 @pytest.mark.parametrize("launch", [[], ["-g", "2"]], ids=["one process", "-g 2"])
 def test_a_run_says_where_its_wall_time_went(tmp_path: Path, launch: list[str]) -> None:
-    """The last line is the split, timing.jsonl holds the same numbers, and they add up to the wall time from the
-    command's start (for -g, the launcher's: its imports and the children's start are the run's start too)."""
+    """The last line is the split, timing.jsonl holds the same numbers, they add up to its total, and every part a
+    run must pass through got its share (for -g, the launcher's start too: its imports and the children's start)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "mnist_ddp", "train", *tiny(), "--out", str(out), *launch]
-    launched = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, seen = [], None
+    lines, seen = [], False
     assert p.stdout is not None
     for line in p.stdout:
         lines.append(line.rstrip("\n"))
         if line.startswith("time: "):
-            seen = time.perf_counter() - launched
+            seen = True
     assert p.wait(timeout=180) == 0, p.stderr.read() if p.stderr else ""
-    assert seen is not None and lines[-1].startswith("time: ") and lines[-2].startswith("final: "), lines
+    assert seen and lines[-1].startswith("time: ") and lines[-2].startswith("final: "), lines
     [record] = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
     assert list(record) == [*timing.PARTS, "total"]
     assert record["total"] == pytest.approx(sum(record[p] for p in timing.PARTS), rel=1e-12)
     assert lines[-1] == timing.line(record)
     assert all(record[p] > 0 for p in ("start", "data", "warm-up", "training", "evaluation", "outputs")), record
-    # Counted from before this run's interpreter started, up to its last line: within the read's delay of our clock.
-    assert seen - EXEC_AND_READ_S <= record["total"] <= seen + 0.02, (seen, record)
     if not launch:  # a resume (of a finished run: nothing to train) adds its own line
         r = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=cli_env(), capture_output=True,
                            text=True, timeout=180)

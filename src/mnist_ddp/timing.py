@@ -16,14 +16,19 @@ PARTS = ("start", "join", "data", "warm-up", "training", "evaluation", "outputs"
 
 def process_start() -> float:
     """When this process started, in `time.time()` seconds: Linux's /proc/self/stat gives its start in clock ticks
-    since boot (1/100 s), read against CLOCK_BOOTTIME; where there is neither, now."""
+    since boot, read against CLOCK_BOOTTIME; where there is neither, now."""
     try:
         with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: after ")", the 20th
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+            return started(f.read(), time.clock_gettime(time.CLOCK_BOOTTIME), time.time(), os.sysconf("SC_CLK_TCK"))
     except (OSError, AttributeError, IndexError, ValueError):
         return time.time()
-    return time.time() - max(0.0, age)
+
+
+def started(stat: str, boottime: float, now: float, ticks_per_s: float) -> float:
+    """The start, on the clock `now` is read from, of the process whose /proc/PID/stat is `stat`, read when the
+    boot clock said `boottime`; never after `now`."""
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime: after the name's ")", the 20th
+    return now - max(0.0, boottime - ticks / ticks_per_s)
 
 
 class Split:
