@@ -62,6 +62,25 @@ def test_spawn_resume_and_predict(base: tuple[Path, dict[str, str]], tmp_path: P
     assert "blank.png" in said, said
 
 
+@pytest.mark.parametrize("flags", [["train", "-g", "2", "--mlflow"], ["train", "-g", "2", "--tensorboard"],
+                                   ["export", "run", "--onnx", "m.onnx"]], ids=["mlflow", "tensorboard", "onnx"])
+def test_a_flag_whose_extra_is_missing_is_one_line_before_anything_starts(
+        base: tuple[Path, dict[str, str]], tmp_path: Path, flags: list[str]) -> None:
+    """Here the extras are really missing (not hidden from one process): --mlflow, --tensorboard and export --onnx
+    are each refused in one sentence that names the extra, exit 2, and no run folder is made."""
+    bin_, env = base
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.safetensors").write_bytes(b"never read")
+    argv = [*flags, *TINY, "--out", "out"] if flags[0] == "train" else flags
+    r = subprocess.run([str(bin_ / "mnist-ddp"), *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=RUN_S)
+    extra = {"--mlflow": "mlflow", "--tensorboard": "tensorboard", "export": "onnx"}[flags[-1] if flags[0] == "train"
+                                                                                      else "export"]
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert extra in r.stderr and "pip install" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "m.onnx").exists()
+
+
 def test_torchrun(base: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     """torchrun's workers share rank 0's look at --out (`Dist.from_main`) on a base install too."""
     said = _run(base, tmp_path, "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "mnist_ddp", "train",

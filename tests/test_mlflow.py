@@ -97,17 +97,6 @@ def test_a_resumed_run_is_one_mlflow_run_holding_the_files_numbers(tmp_path: Pat
         (tmp_path / "down" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
-def test_without_the_package_it_is_one_line_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # how Python marks a module as not importable
-    out = tmp_path / "run"
-    assert cli.main(["train", *tiny(), "-g", "2", "--out", str(out), "--mlflow"]) == 2
-    said, err = capsys.readouterr()
-    assert said == "" and err.strip().splitlines() == [
-        "mnist-ddp: error: --mlflow needs the mlflow package: pip install mlflow (or pip install 'mnist-ddp[mlflow]')."]
-    assert not out.exists()
-
-
 def test_a_store_mlflow_cannot_open_is_one_sentence_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A URI MLflow cannot open (a database inside a plain file, which not even root can make a folder of): rank 0
     says so before it trains, in one sentence."""

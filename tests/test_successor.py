@@ -1,6 +1,7 @@
 """--recover's successor to a lost store (successor.py), tried by strangers: survivors take a standby store only
-once its host answered their challenge with the job's secret. One process hosts five stores on loopback, as five
-different hosts would: the job's standby, a stranger's with another secret, another run's with the same secret, a
+once its host answered their challenge with the job's secret. One process hosts six stores on loopback, as six
+different hosts would: two of the job's standbys (one for each test that takes one over, so that no test depends
+on another's), a stranger's with another secret, another run's with the same secret, a
 plain TCPStore that answers nothing, and a socket that speaks no TCPStore; the survivor's side is this process.
 The whole run (node 0's launcher lost, node 1's taking over) is in test_recovery.py."""
 
@@ -29,6 +30,7 @@ from mnist_ddp import successor
 from mnist_ddp.membership import Credentials
 secret, run, timeout = sys.argv[1].encode(), json.loads(sys.argv[2]), timedelta(seconds=60)
 standbys = {"the job's launcher": successor.Standby("127.0.0.1", 2, Credentials(secret, run), timeout),
+            "the job's other launcher": successor.Standby("127.0.0.1", 2, Credentials(secret, run), timeout),
             "a stranger with another secret": successor.Standby("127.0.0.1", 2, Credentials(b"a guess", run), timeout),
             "another run with the same secret": successor.Standby("127.0.0.1", 2, Credentials(secret, {"seed": "4"}),
                                                                   timeout)}
@@ -45,7 +47,7 @@ for s in standbys.values():
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[dict[str, int]]:
-    """The five stores' ports, while their process runs."""
+    """The six stores' ports, while their process runs: each test that takes a job's standby over takes its own."""
     p = subprocess.Popen([sys.executable, "-c", HOSTS, SECRET.decode(), json.dumps(RUN)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, env=cli_env())
     try:
@@ -113,9 +115,9 @@ def _silent() -> tuple[socket.socket, list[socket.socket]]:
 def test_an_ended_launcher_is_skipped_and_a_silent_store_stops_the_job(hosts: dict[str, int]) -> None:
     """A standby whose port refuses connections (its launcher ended too) is passed over for the next; a store that
     does not answer at all may be behind a cut cable, so the job stops; with nobody left in line, too."""
-    s = _survivor([(1, "127.0.0.1", free_port()), (2, "127.0.0.1", hosts["the job's launcher"])])
+    s = _survivor([(1, "127.0.0.1", free_port()), (2, "127.0.0.1", hosts["the job's other launcher"])])
     _, where, said = s.take_over(time.monotonic() + 10)
-    assert where[1] == hosts["the job's launcher"] and s.ended == {0, 1} and "node 2's" in said
+    assert where[1] == hosts["the job's other launcher"] and s.ended == {0, 1} and "node 2's" in said
     server, queued = _silent()
     try:
         with pytest.raises(PeerFailure, match=r"found the rendezvous store at 127\.0\.0\.1:\d+ silent .* so the job "

@@ -4,12 +4,11 @@ only rank 0's writer; without the package the flag is refused before any process
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, metrics, run_cli, tiny
+from conftest import metrics, run_cli, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, cli
 
@@ -118,17 +117,6 @@ def test_a_resumed_run_draws_each_step_once(tmp_path: Path) -> None:
     assert all(after[s] != before[s] for s in (900, 1200, 1500))  # epoch 2 trained twice: the second one's values
     _assert_epochs_match_metrics(out)
     _assert_steps_file_matches_events(out)
-
-
-def test_without_the_package_it_is_one_line_before_any_process_starts(tmp_path: Path) -> None:
-    # A None entry in sys.modules is Python's own way to make a module unimportable (find_spec says None).
-    hide = "import sys; sys.modules['tensorboard'] = None; from mnist_ddp.cli import console; console()"
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", hide, *_train(out, "-g", "2")], cwd=tmp_path, env=cli_env(ONE_THREAD),
-                       text=True, capture_output=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.splitlines()) == 1 and "pip install tensorboard" in r.stderr, r.stderr
-    assert r.stdout == "" and not out.exists()  # no worker ran, --out untouched
 
 
 def test_log_every_must_be_a_positive_number_of_steps(capsys: pytest.CaptureFixture[str]) -> None:
