@@ -678,18 +678,22 @@ def _same_run(trial: Trial, job: Job, out: Path, ref: Ref) -> str:
 
 def differs(out: Path, bitwise: bool, ref: Ref) -> str:
     """'' if the run in `out` ended with the undisturbed run's steps and record (and bytes, under --bitwise);
-    else what differs."""
+    else everything that differs, not only the first."""
     try:
         progress, record, digest = _result(out, bitwise)
     except (OSError, ValueError, checkpoint.UserError) as e:
         return f"left no final checkpoint ({e})"
+    found = []
     if progress != ref.progress:
-        return f"ended at {progress}, not {ref.progress}"
+        found.append(f"ended at {progress}, not {ref.progress}")
     if record != ref.record:
-        return f"wrote another metrics record: {record} against {ref.record}"
+        wrong = [f"epoch {i + 1}: {ours} against {theirs}" for i, (ours, theirs) in enumerate(zip(record, ref.record))
+                 if ours != theirs] + ([f"{len(record)} epochs against {len(ref.record)}"]
+                                       if len(record) != len(ref.record) else [])
+        found.append(f"wrote another metrics record ({'; '.join(wrong)})")
     if digest != ref.digest:
-        return f"saved other weights (SHA-256 {digest[:12]}…, undisturbed {ref.digest[:12]}…)"
-    return ""
+        found.append(f"saved other weights (SHA-256 {digest[:12]}…, undisturbed {ref.digest[:12]}…)")
+    return "; and ".join(found)
 
 
 def _lines(log: str) -> list[str]:

@@ -1,24 +1,37 @@
-"""A fixed sample of the fault campaign (tests/chaos.py, `make chaos`), so that CI runs each kind of trial: a rank
-lost under --recover, a full disk and then a damaged checkpoint before the resume, a node lost on two machines
-(network namespaces). Each must keep its contract; and the check of a contract must be able to fail (a control)."""
+"""A fixed sample of the fault campaign (tests/chaos.py, `make chaos`), so that CI runs each kind of fault at least
+once: a worker killed, frozen a while and interrupted as it starts; Ctrl-C and a damaged checkpoint before the
+resume; a full disk; the store's host stopped; on two machines (network namespaces) a node's launcher killed and
+the cable cut a while. Each must keep its contract, land while the run trains, and end as its case says; and the
+judge is fed made-up broken jobs and must call each broken."""
 
 import os
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 import chaos
 from chaos import Fault, Trial, World
-from procfs import needs_proc
+from procfs import marked_env, needs_proc
 
 pytestmark = needs_proc
 
-WORLD = World(1, 2, recover=True, bitwise=True)  # one undisturbed run (world 2) serves every trial
+WORLD = World(1, 2, recover=True, bitwise=True)  # one undisturbed run (world 2) serves most trials
+PLAIN = World(1, 2, recover=False, bitwise=True)  # and one without --recover, where a lost store host stops the job
+NODES = replace(WORLD, nodes=2, gpus=1)
+# Each kind of fault at least once, and how the first run must end: finished as undisturbed (True), stopped
+# (False), or either (None: a fault before the first step may stop the run or not).
 TRIALS = {
-    "a worker killed": Trial(0, 0, WORLD, (Fault("worker", "SIGKILL", at=0.3, which=1),)),
-    "the disk full, then checkpoint.pt damaged": Trial(0, 1, WORLD, (Fault("disk", at=0.3),
-                                                                    Fault("checkpoint.pt", "flipped", at=0.9))),
-    "node 1's launcher killed": Trial(0, 2, replace(WORLD, nodes=2, gpus=1), (Fault("launcher", "SIGKILL", at=0.3),)),
+    "a worker killed": (Trial(0, 0, WORLD, (Fault("worker", "SIGKILL", at=0.3, which=1),)), True),
+    "Ctrl-C, then checkpoint.pt damaged": (Trial(0, 1, WORLD, (Fault("checkpoint.pt", "flipped", at=0.5),)), False),
+    "the disk full": (Trial(0, 2, WORLD, (Fault("disk", at=0.3),)), False),
+    "node 1's launcher killed": (Trial(0, 3, NODES, (Fault("launcher", "SIGKILL", at=0.3),)), True),
+    "the store's host stopped (SIGTERM)": (Trial(0, 4, PLAIN, (Fault("store host", "SIGTERM", at=0.4),)), False),
+    "a worker frozen a while": (Trial(0, 5, WORLD, (Fault("worker", "SIGSTOP", at=0.3, lasts=0.3, which=1),)), True),
+    "a worker interrupted as it starts": (Trial(0, 6, WORLD, (Fault("worker", "SIGINT", at=0.5, start_up=True),)),
+                                          None),
+    "the cable cut a while": (Trial(0, 7, NODES, (Fault("link", at=0.3, lasts=0.3),)), True),
 }
 
 
@@ -33,21 +46,75 @@ def campaign(tmp_path_factory: pytest.TempPathFactory) -> chaos.Campaign:
 
 @pytest.mark.parametrize("name", list(TRIALS))
 def test_a_trial_keeps_its_contract(campaign: chaos.Campaign, name: str) -> None:
-    trial = TRIALS[name]
+    trial, finishes = TRIALS[name]
     result = campaign.run(trial)
     print(f"{trial} -> {result.story}")
     assert result.outcome == "ok", f"{trial}: {result.story}"
-    # the first fault must land while the run trains (a Ctrl-C to stop it before a damaged file may find it stopped)
+    # the fault must land while the run trains (or starts): a Ctrl-C after the last save would find nothing to stop
     assert trial.faults[0].kind not in result.missed, f"{trial}: it came after the run's last save: {result.story}"
-    assert result.finished == (trial.faults[0].target != "disk"), result.story  # only the full disk stops it
+    assert "to damage" not in result.story, result.story  # a damaged-file trial found its file
+    assert finishes is None or result.finished == finishes, result.story
 
 
 def test_the_check_can_fail(campaign: chaos.Campaign) -> None:
     """Control: the output of the first trial against its undisturbed run, and against one with other bytes."""
     out = campaign.keep / "trial-0" / "run" / "out"
     if not out.is_dir():
-        campaign.run(TRIALS["a worker killed"])
+        campaign.run(TRIALS["a worker killed"][0])
     ref = campaign.ref(WORLD)
     assert chaos.differs(out, True, ref) == ""
     assert "saved other weights" in chaos.differs(out, True, replace(ref, digest="0" * 64))
     assert "ended at" in chaos.differs(out, True, replace(ref, progress={"epoch": 3, "consumed": 0}))
+    other = [dict(line, train_samples=line["train_samples"] + 18) for line in ref.record]
+    said = chaos.differs(out, True, replace(ref, record=other, digest="0" * 64))  # all that differs, not the first
+    assert "wrote another metrics record (epoch 1: " in said and "epoch 2: " in said and "saved other weights" in said
+
+
+def _made_up(campaign: chaos.Campaign, tmp_path: Path, log: str, codes: list[int]) -> chaos.Job:
+    """A job that never ran: trial 0's kept output, with the words `log` and the exit `codes` given here."""
+    out = campaign.keep / "trial-0" / "run" / "out"
+    if not out.is_dir():
+        campaign.run(TRIALS["a worker killed"][0])
+    job = chaos.Job(TRIALS["a worker killed"][0], tmp_path, out, {}, ())
+    job.procs, job.codes = [None], codes  # type: ignore[list-item]  (said() counts the nodes, nothing more)
+    job.log(0).write_text(log)
+    return job
+
+
+KILLED = "recover: rank 1 (pid 7) was lost at epoch 1, step 9; 1 process re-formed as generation 1 in 0.2 s\n"
+BROKEN_JOBS = {
+    "a traceback": (KILLED + "Traceback (most recent call last):\n  File x\nValueError: y\n", [0], None),
+    "two error lines": ("mnist-ddp: error: one.\nmnist-ddp: error: two.\n", [1], None),
+    "exit 0 with other bytes": (KILLED, [0], "0" * 64),
+    "no recover: line": ("final: test accuracy 50.00%\n", [0], None),
+}
+
+
+@pytest.mark.parametrize("kind", ["kept", *BROKEN_JOBS])
+def test_the_judge_calls_each_broken_job_broken(campaign: chaos.Campaign, tmp_path: Path, kind: str) -> None:
+    """The judge of a trial's first run, fed made-up jobs: trial 0's (a worker killed under --recover, finished)
+    as it was is kept; with a traceback, two error lines, other bytes at exit 0, or no `recover:` line, broken."""
+    log, codes, digest = BROKEN_JOBS.get(kind, (KILLED, [0], None))
+    job = _made_up(campaign, tmp_path, log, codes)
+    trial = job.trial
+    ref = campaign.ref(WORLD)
+    landed = [chaos.Landed(trial.faults[0], [7], {1})]
+    verdict = campaign._judge(trial, job, chaos.contract(trial, landed), landed,
+                              replace(ref, digest=digest) if digest else ref)
+    assert (verdict is None) == (kind == "kept"), verdict
+    assert verdict is None or verdict[0] == chaos.BROKEN
+
+
+def test_a_process_left_behind_is_found(tmp_path: Path) -> None:
+    """What the judge asks after a job ends: a process that carries the job's marker, still there after the
+    settling time, is found (and one that ended is not)."""
+    env, _ = marked_env()
+    gone = subprocess.Popen(["true"], env=env)
+    gone.wait()
+    stays = subprocess.Popen(["sleep", "60"], env=env)
+    try:
+        assert chaos._left_behind(env) == [stays.pid]
+    finally:
+        stays.kill()
+        stays.wait()
+    assert chaos._left_behind(env) == []
