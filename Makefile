@@ -19,7 +19,7 @@ ONLY ?=
 EXAMPLES ?= 1000
 FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 
-.PHONY: train test lint bench soak chaos fuzz clean
+.PHONY: train test lint bench soak chaos fuzz mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ fuzz: $(VENV)/.dev
 	FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest tests/test_fuzz.py -p no:cacheprovider -q --timeout 0 \
 		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics -k generated; \
 	rc=$$?; echo "fuzz: seed $(FUZZ_SEED), $(EXAMPLES) examples per property, pytest exit $$rc"; exit $$rc
+
+# Not part of CI: mutation testing (mutmut) of the modules whose logic is pure, each with its own fast tests
+# (tests/mutate.py); a line per module, the surviving mutants, the score. ONLY=a.py,b.py for some.
+mutate: $(VENV)/.dev
+	$(BIN)/python tests/mutate.py $(if $(ONLY),--only $(ONLY))
 
 bench: $(VENV)/.plot
 	$(BIN)/mnist-ddp bench $(ARGS)
