@@ -18,6 +18,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -79,6 +80,18 @@ def broken(o: Outcome, before: dict[str, str], after: dict[str, str], ok: tuple[
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         found.append(f"files changed: {changed[:5]}")
     return found
+
+
+def make_fifo(path: Path) -> None:
+    """A named pipe at `path`, with no writer: what blocks an open or a read for ever."""
+    os.mkfifo(path)
+
+
+def make_socket(path: Path) -> None:
+    """A Unix socket at `path`, left bound and closed: a file system entry no open can read."""
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
 
 
 class Runner:

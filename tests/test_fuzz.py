@@ -15,7 +15,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import struct
 import tempfile
 import zipfile
@@ -32,7 +31,7 @@ from PIL import Image
 
 from conftest import tiny
 from datafiles import write_idx
-from fuzzing import MEMORY, Outcome, Runner, broken, fingerprint
+from fuzzing import MEMORY, Outcome, Runner, broken, fingerprint, make_fifo, make_socket
 from mnist_ddp import checkpoint, cli, model_file, synthetic
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.model import ConvNet
@@ -87,6 +86,14 @@ class Case:
         found = broken(outcome, before, after, ok)
         shutil.rmtree(self.dir, ignore_errors=True)
         assert not found, f"{found}\nargv: {argv}\nenv: {env}\nstderr: {outcome.err[-3000:]}"
+
+
+def _predicts(runner: Runner, base: Path, name: str, data: bytes, model: str | None = None) -> None:
+    """`data` saved as `name` in a fresh case, then `predict` of it: as the model (digits to classify given), or, with
+    `model`, as the file to classify."""
+    case = Case(base)
+    (case.dir / name).write_bytes(data)
+    case.check(runner, ["predict", name, "digits-idx3-ubyte"] if model is None else ["predict", model, name])
 
 
 # --- values an attacker would try -------------------------------------------------------------------------------
@@ -161,15 +168,20 @@ def _rezipped(data: bytes, compress: int, member: int) -> bytes:
     return out.getvalue()
 
 
+def _flipped_or_cut(draw: st.DrawFn, good: bytes, how: str) -> bytes:
+    """`good` with one byte changed ("flip") or cut short ("cut") where `draw` says."""
+    if how == "cut":
+        return good[:draw(st.integers(0, len(good) - 1))]
+    at = draw(st.integers(0, len(good) - 1))
+    return good[:at] + bytes([good[at] ^ draw(st.integers(1, 255))]) + good[at + 1:]
+
+
 @st.composite
 def bad_checkpoints(draw: st.DrawFn, good: bytes) -> bytes:
     """A checkpoint damaged at the byte level, in its zip, or in what it holds (resealed)."""
     how = draw(st.sampled_from(["flip", "cut", "junk", "rezip", "bytes"]))
-    if how == "flip":
-        at = draw(st.integers(0, len(good) - 1))
-        return good[:at] + bytes([good[at] ^ draw(st.integers(1, 255))]) + good[at + 1:]
-    if how == "cut":
-        return good[:draw(st.integers(0, len(good) - 1))]
+    if how in ("flip", "cut"):
+        return _flipped_or_cut(draw, good, how)
     if how == "rezip":
         compress = draw(st.sampled_from([zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2]))
         return _rezipped(good, compress, draw(st.integers(0, 5)))
@@ -308,9 +320,7 @@ def test_generated_checkpoints_are_read_or_refused(runner: Runner, base: Path) -
     @example(data=_junk_at(good, "config", "a string"))
     @example(data=_junk_at(good, "config/data", {"dataset": "imagenet"}))
     def check(data: bytes) -> None:
-        case = Case(base)
-        (case.dir / "x.pt").write_bytes(data)
-        case.check(runner, ["predict", "x.pt", "digits-idx3-ubyte"])
+        _predicts(runner, base, "x.pt", data)
 
     check()
 
@@ -324,11 +334,8 @@ def bad_safetensors(draw: st.DrawFn, good: bytes) -> bytes:
     how = draw(st.sampled_from(["field", "metadata", "length", "flip", "cut"]))
     if how == "length":
         return struct.pack("<Q", draw(st.integers(0, 2**64 - 1))) + good[8:]
-    if how == "flip":
-        at = draw(st.integers(0, len(good) - 1))
-        return good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1:]
-    if how == "cut":
-        return good[:draw(st.integers(0, len(good) - 1))]
+    if how in ("flip", "cut"):
+        return _flipped_or_cut(draw, good, how)
     if how == "field":
         name = draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
         header[name][draw(st.sampled_from(["dtype", "shape", "data_offsets"]))] = draw(JSON)
@@ -348,9 +355,7 @@ def test_generated_model_files_are_read_or_refused(runner: Runner, base: Path) -
     @FUZZ
     @given(data=bad_safetensors(good))
     def check(data: bytes) -> None:
-        case = Case(base)
-        (case.dir / "m.safetensors").write_bytes(data)
-        case.check(runner, ["predict", "m.safetensors", "digits-idx3-ubyte"])
+        _predicts(runner, base, "m.safetensors", data)
 
     check()
 
@@ -383,9 +388,7 @@ def test_generated_idx_files_are_read_or_refused(runner: Runner, base: Path) -> 
     @FUZZ
     @given(data=bad_idx())
     def check(data: bytes) -> None:
-        case = Case(base)
-        (case.dir / "x-idx3-ubyte").write_bytes(data)
-        case.check(runner, ["predict", "good.safetensors", "x-idx3-ubyte"])
+        _predicts(runner, base, "x-idx3-ubyte", data, model="good.safetensors")
 
     check()
 
@@ -454,9 +457,7 @@ def test_generated_images_are_read_or_refused(runner: Runner, base: Path) -> Non
     @given(image=bad_images())
     @example(image=("png", _png_claiming(60000, 60000)))
     def check(image: tuple[str, bytes]) -> None:
-        case = Case(base)
-        (case.dir / f"x.{image[0]}").write_bytes(image[1])
-        case.check(runner, ["predict", "good.safetensors", f"x.{image[0]}"])
+        _predicts(runner, base, f"x.{image[0]}", image[1], model="good.safetensors")
 
     check()
 
@@ -518,16 +519,6 @@ def test_generated_launcher_variables_are_read_or_refused(runner: Runner, base: 
 
 # --- what stands where a file should: each kind at each place that reads a file ---------------------------------
 
-def _fifo(p: Path) -> None:
-    os.mkfifo(p)
-
-
-def _unix_socket(p: Path) -> None:
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(p))
-    s.close()
-
-
 def _link_to_users_file(p: Path, hard: bool = False) -> None:
     mine = p.parents[1] / "notes.txt" if p.parent.name == "run" else p.parent / "notes.txt"
     mine.write_text("the user's own words")
@@ -540,13 +531,13 @@ def _link_to_users_file(p: Path, hard: bool = False) -> None:
 NOT_FILES: dict[str, Callable[[Path], None]] = {
     "a link to a file of the user's": _link_to_users_file,
     "a hard link to a file of the user's": lambda p: _link_to_users_file(p, hard=True),
-    "a named pipe": _fifo,
+    "a named pipe": make_fifo,
     "a link to /dev/zero": lambda p: p.symlink_to("/dev/zero"),
     "a link to /dev/urandom": lambda p: p.symlink_to("/dev/urandom"),
     "a folder": lambda p: p.mkdir(),
     "a link loop": lambda p: p.symlink_to(p.name),
     "a dangling link": lambda p: p.symlink_to("nowhere"),
-    "a socket": _unix_socket,
+    "a socket": make_socket,
 }
 PLACES: dict[str, Callable[[str], list[str]]] = {
     "predict's checkpoint": lambda f: ["predict", f, "digits-idx3-ubyte"],

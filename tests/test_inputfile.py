@@ -4,13 +4,13 @@ naming the file, printably. (The whole command under generated input: test_fuzz.
 
 import gzip
 import os
-import socket
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
 
+from fuzzing import make_fifo, make_socket
 from mnist_ddp import inputfile
 from mnist_ddp.errors import UserError
 
@@ -32,21 +32,11 @@ def test_a_link_to_a_regular_file_is_followed(tmp_path: Path) -> None:
     assert inputfile.read(tmp_path / "link", 10, "thing") == b"data"
 
 
-def _fifo(p: Path) -> None:
-    os.mkfifo(p)
-
-
-def _socket(p: Path) -> None:
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(p))
-    s.close()
-
-
 @pytest.mark.parametrize(("make", "said"), [
-    (_fifo, "a named pipe, not a file"),
+    (make_fifo, "a named pipe, not a file"),
     (lambda p: p.mkdir(), "a folder, not a file"),
     (lambda p: p.symlink_to("/dev/zero"), "a character device, not a file"),
-    (_socket, "cannot be read as a thing"),  # a socket cannot even be opened
+    (make_socket, "cannot be read as a thing"),  # a socket cannot even be opened
     (lambda p: p.symlink_to(p.name), "cannot be read as a thing (too many levels of symbolic links)"),
     (lambda p: p.symlink_to("nowhere"), "no such file (a thing was expected)"),
 ], ids=["fifo", "folder", "device", "socket", "link loop", "dangling link"])
