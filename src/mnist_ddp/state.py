@@ -109,6 +109,7 @@ def check_same_run(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:
 
 
 MOST_SLOTS = 1 << 20  # a run's micro-batches per step: far more than any world × --accumulate that fits a machine
+STEP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "momentum")  # what the step reads of a group (flatopt.py)
 
 
 def check_resumable(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:
@@ -168,10 +169,12 @@ def _check_optimizer(saved: Any, opt: torch.optim.Optimizer, refuse: Any) -> Non
         raise refuse("optimizer", "is not a state_dict of the recipe's optimizer")
     params = [p for group in opt.param_groups for p in group["params"]]
     for group, want in zip(saved["param_groups"], fresh["param_groups"], strict=True):
-        if not (isinstance(group, dict) and set(group) == set(want) and group["params"] == want["params"]):
+        # The settings the step reads must be there; others (flags that differ by device or torch version) may not.
+        if not (isinstance(group, dict) and group.get("params") == want["params"]
+                and all(k in group for k in STEP_SETTINGS if k in want)):
             raise refuse("optimizer", "has groups that are not the recipe optimizer's")
         for key, value in group.items():
-            if key != "params" and not _like(value, want[key]):
+            if key != "params" and not (_like(value, want[key]) if key in want else _plain(value)):
                 raise refuse("optimizer", f"has {key} = {inputfile.shown(repr(value))[:40]}")
     for index, state in saved["state"].items():
         if not (type(index) is int and 0 <= index < len(params) and isinstance(state, dict)):
@@ -195,8 +198,10 @@ def _plain(value: Any) -> bool:
 
 def _like(value: Any, want: Any) -> bool:
     """Whether a saved setting is of the fresh one's kind: a finite number for a number, the same for the rest."""
-    if isinstance(want, bool) or want is None or isinstance(want, str):
-        return type(value) is type(want)
+    if isinstance(want, bool) or want is None:  # a flag (fused, foreach, …): another device's may differ
+        return value is None or isinstance(value, bool)
+    if isinstance(want, str):
+        return isinstance(value, str)
     if isinstance(want, int | float):
         return type(value) in (int, float) and math.isfinite(value)
     if isinstance(want, tuple | list):
