@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from . import extras, tracking
+from . import extras, identity, tracking
 from .config import (
     AMP,
     BACKENDS,
@@ -69,15 +69,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(f"{message} (see `{self.prog} --help`).")
-
-
-def _env_port(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    if not (value.isascii() and value.isdigit() and int(value) <= 65535):
-        raise UserError(f"environment variable {name}={value[:40]!r} is not a port number (0-65535).")
-    return int(value)
 
 
 def _data_args(p: argparse.ArgumentParser, dataset: str | None, dataset_help: str | None = None) -> None:
@@ -267,7 +258,7 @@ def _bench_config(a: argparse.Namespace) -> BenchConfig:
 def _train_config(a: argparse.Namespace) -> TrainConfig:
     # The environment is read here, as the command runs, not when the parser is built (api.py builds it at import).
     addr = a.master_addr if a.master_addr is not None else os.environ.get("MASTER_ADDR")
-    port = a.master_port if a.master_port is not None else _env_port("MASTER_PORT")
+    port = a.master_port if a.master_port is not None else identity.env_number(os.environ, "MASTER_PORT")
     return TrainConfig(
         data=_data_config(a), nodes=a.nodes, gpus=a.gpus, node_rank=a.node_rank, master_addr=addr, master_port=port,
         secret=read_secret(a.secret_file, os.environ), device=a.device, backend=a.backend, timeout=a.timeout,

@@ -80,7 +80,7 @@ class Identity:
 MOST = 1 << 20  # the largest rank, world size or restart count a launcher may hand us: far past any cluster
 
 
-def _int(env: Mapping[str, str], key: str) -> int | None:
+def env_number(env: Mapping[str, str], key: str) -> int | None:
     """`env[key]` as an integer from 0 to `MOST` (a port: to 65535), None when absent; any other value is the user's
     to fix."""
     if key not in env:
@@ -123,9 +123,10 @@ def _place(rank: int, world: int, local_rank: int, local_world: int | None, name
 
 def _from_torchrun(env: Mapping[str, str]) -> Identity:
     """torchrun's variables (also those of a hand-made RANK/WORLD_SIZE launch)."""
-    rank, world = _int(env, "RANK") or 0, _int(env, "WORLD_SIZE") or 0
-    local_rank = _int(env, "LOCAL_RANK") or 0
-    local_world = _place(rank, world, local_rank, _int(env, "LOCAL_WORLD_SIZE"), ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world = env_number(env, "RANK") or 0, env_number(env, "WORLD_SIZE") or 0
+    local_rank = env_number(env, "LOCAL_RANK") or 0
+    local_world = _place(rank, world, local_rank, env_number(env, "LOCAL_WORLD_SIZE"),
+                         ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if world == 1:
         store_host: StoreHost = "none"
     elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -133,21 +134,21 @@ def _from_torchrun(env: Mapping[str, str]) -> Identity:
     else:
         store_host = "rank0"
     return Identity(rank, local_rank, world, local_world, store_host,
-                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT") or 0,
-                    launcher="torchrun", attempt=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=env_number(env, "MASTER_PORT") or 0,
+                    launcher="torchrun", attempt=env_number(env, "TORCHELASTIC_RESTART_COUNT") or 0,
                     run_id=env.get("TORCHELASTIC_RUN_ID", ""))
 
 
 def _from_slurm(env: Mapping[str, str]) -> Identity:
     """srun's variables: the master is the step's first node (127.0.0.1 when the step has one node), the port
     derived from the job id."""
-    rank, world = _int(env, "SLURM_PROCID") or 0, _int(env, "SLURM_NTASKS") or 0
-    local_rank = _int(env, "SLURM_LOCALID") or 0
-    here = tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), _int(env, "SLURM_NODEID") or 0)
+    rank, world = env_number(env, "SLURM_PROCID") or 0, env_number(env, "SLURM_NTASKS") or 0
+    local_rank = env_number(env, "SLURM_LOCALID") or 0
+    here = tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), env_number(env, "SLURM_NODEID") or 0)
     local_world = _place(rank, world, local_rank, here, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-    port = _int(env, "MASTER_PORT")
+    port = env_number(env, "MASTER_PORT")
     if port is None:
-        job = _int(env, "SLURM_JOB_ID")
+        job = env_number(env, "SLURM_JOB_ID")
         port = DEFAULT_PORT if job is None else job_port(job)
     addr = env.get("MASTER_ADDR")
     if not addr:
@@ -193,7 +194,7 @@ def _mpi_port(env: Mapping[str, str], rank_var: str, one_node: bool) -> int:
 def _from_mpi(env: Mapping[str, str], names: MpiVars) -> Identity:
     """An MPI launcher's variables. One node: 127.0.0.1, the port derived from the job. Several nodes: the
     launcher does not say where rank 0 runs, so MASTER_ADDR must (`mpirun -x MASTER_ADDR=…`)."""
-    rank, world, local_rank, local_world = (_int(env, key) or 0 for key in
+    rank, world, local_rank, local_world = (env_number(env, key) or 0 for key in
                                             (names.rank, names.world, names.local_rank, names.local_world))
     _place(rank, world, local_rank, local_world, (names.rank, names.world, names.local_rank))
     one_node = local_world == world
@@ -202,7 +203,7 @@ def _from_mpi(env: Mapping[str, str], names: MpiVars) -> Identity:
         raise UserError(f"{names.launcher} started {world} processes on several nodes ({local_world} on this one) "
                         f"and does not say where rank 0 runs; pass its node's address to every process as "
                         f"MASTER_ADDR (`mpirun -x MASTER_ADDR=<host>`, or `-genv MASTER_ADDR <host>` with Hydra).")
-    port = _int(env, "MASTER_PORT")
+    port = env_number(env, "MASTER_PORT")
     return Identity(rank, local_rank, world, local_world, "rank0" if world > 1 else "none",
                     master_addr=addr, master_port=_mpi_port(env, names.rank, one_node) if port is None else port,
                     launcher=names.launcher)

@@ -36,9 +36,10 @@ def trained(ckpt: dict, name: str | Path) -> Trained:
     """`ckpt`'s record of its training, each value of the kind a run writes, else one sentence naming `name`."""
     config = ckpt.get("config", {})
     data = config.get("data", {}) if isinstance(config, dict) else None
-    found = Trained(dataset=data.get("dataset", "mnist") if isinstance(data, dict) else None,  # type: ignore[arg-type]
-                    **{k: config.get(k, getattr(Trained, k)) for k in ("normalize", "amp", "channels_last")}
-                    if isinstance(config, dict) else {})
+    if not isinstance(data, dict):
+        raise UserError(f"{inputfile.shown(name)}: its recorded settings are not a run's.")
+    found = Trained(data.get("dataset", "mnist"), **{k: config[k] for k in ("normalize", "amp", "channels_last")
+                                                       if k in config})
     if not (found.dataset in DATASETS and found.dataset != "auto" and isinstance(found.normalize, bool)
             and found.amp in AMP and found.channels_last in (None, True, False)):
         raise UserError(f"{inputfile.shown(name)}: its recorded settings are not a run's (dataset, normalize, amp, "

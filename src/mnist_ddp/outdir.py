@@ -51,10 +51,9 @@ def claim(out: Path, resume: bool) -> Claim:
     where = shown(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        found = [name for name in OUTPUTS if os.path.lexists(out / name)]
+        _check_free(out, resume)
     except OSError as e:
         raise UserError(f"--out {where} is not a writable folder ({(e.strerror or str(e)).lower()}).") from None
-    _check_free(out, found, resume)
     try:
         with tempfile.TemporaryFile(dir=out):
             pass
@@ -62,15 +61,16 @@ def claim(out: Path, resume: bool) -> Claim:
     except OSError as e:
         raise UserError(f"--out {where} is not a writable folder ({(e.strerror or str(e)).lower()}).") from None
     try:  # again under the lock: a run that held it may have written its outputs meanwhile
-        _check_free(out, [name for name in OUTPUTS if os.path.lexists(out / name)], resume)
+        _check_free(out, resume)
     except UserError:
         held.release()
         raise
     return held
 
 
-def _check_free(out: Path, found: list[str], resume: bool) -> None:
-    """Refuse `out`, which holds the outputs `found`, where this run would overwrite them."""
+def _check_free(out: Path, resume: bool) -> None:
+    """Refuse `out` where this run would overwrite the outputs it holds."""
+    found = [name for name in OUTPUTS if os.path.lexists(out / name)]
     if found and not resume:
         raise UserError(f"{shown(out)} already holds a run; pass --resume to continue it, or choose another --out "
                         f"(it holds {', '.join(found[:3])}).")

@@ -86,7 +86,7 @@ class Reporter:
         (a resume adds one), then the `time:` line, the run's last."""
         if not (self.enabled and seconds):
             return
-        _write_lines(self.timing_path, [json.dumps(line) for line in [*read_jsonl(self.timing_path), seconds]])
+        _append(self.timing_path, seconds)
         self.say(timing.line(seconds))
 
     def say(self, line: str) -> None:
@@ -123,7 +123,7 @@ class Reporter:
         TensorBoard, MLflow."""
         if not self.enabled:
             return
-        _write_lines(self.metrics_path, [json.dumps(m) for m in [*read_jsonl(self.metrics_path), metrics]])
+        _append(self.metrics_path, metrics)
         self.say(f"epoch {metrics['epoch']}/{metrics['epochs']}  train_loss {metrics['train_loss']:.4f}  "
                  f"test_loss {metrics['test_loss']:.4f}  test_acc {100 * metrics['test_accuracy']:.2f}%  "
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
@@ -175,6 +175,11 @@ class Reporter:
         save_figure(fig, self.out / "curves.png")
 
         save_figure(confusion_figure, self.out / "confusion.png")
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    """`record` as the last line of the .jsonl file `path`, the file rewritten whole (`_write_lines`)."""
+    _write_lines(path, [json.dumps(line) for line in [*read_jsonl(path), record]])
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
