@@ -44,7 +44,7 @@ TIMEOUT = 10  # --timeout: what a frozen peer costs
 RUN = ["train", "--dataset", "synthetic", "--train-samples", "1600", "--test-samples", "100", "--epochs", "2",
        "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--scheduler", "none",
        "--amp", "off", "--seed", "3", "--no-progress", "--no-plots", "--timeout", str(TIMEOUT),
-       "--checkpoint-every", "5"]
+       "--checkpoint-every", "5", "--log-every", "1"]
 SAME = ("epoch", "train_samples", "global_batch", "lr", "batch_size")  # what metrics.jsonl must repeat
 ADDRS = ("10.81.0.1", "10.81.0.2")  # the two namespaces' addresses (each pair is a world of its own)
 PORT = "29500"
@@ -356,22 +356,26 @@ def _fill(folder: Path) -> None:
 
 @dataclass
 class Ref:
-    """The undisturbed run of some settings: its final progress, its metrics record, the SHA-256 of its weights
-    (--bitwise), and how long its start-up (to the first checkpoint) and its training took."""
+    """The undisturbed run of some settings: its final progress, its metrics record, its steps (steps.jsonl's
+    samples done, one a step), the SHA-256 of its weights (--bitwise), and how long its start-up (to the first
+    checkpoint) and its training took."""
 
     progress: dict
     record: list[dict]
+    steps: list[int]
     digest: str | None
     start_up: float
     training: float
 
 
-def _result(out: Path, bitwise: bool) -> tuple[dict, list[dict], str | None]:
-    """What a finished run left: (progress, metrics record, weights' digest); UserError if it left no checkpoint."""
+def _result(out: Path, bitwise: bool) -> tuple[dict, list[dict], list[int], str | None]:
+    """What a finished run left: (progress, metrics record, steps, weights' digest); UserError if it left no
+    checkpoint."""
     ckpt = checkpoint.load(out / "checkpoint.pt")
     record = [{k: m[k] for k in SAME} for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    steps = [json.loads(line)["samples"] for line in (out / "steps.jsonl").read_text().splitlines()]
     progress = {k: ckpt["progress"][k] for k in ("epoch", "consumed")}
-    return progress, record, checkpoint.digest(ckpt["model"]) if bitwise else None
+    return progress, record, steps, checkpoint.digest(ckpt["model"]) if bitwise else None
 
 
 @dataclass(frozen=True)
@@ -408,8 +412,8 @@ class Campaign:
                     sys.exit(f"chaos: the undisturbed run ({key}) failed:\n{job.said()[0][-3000:]}")
                 # training ends with the last save: its file time, on the monotonic clock
                 ended = time.monotonic() - (time.time_ns() - (out / "checkpoint.pt").stat().st_mtime_ns) / 1e9
-                progress, record, digest = _result(out, world.bitwise)
-            self.refs[key] = vars(Ref(progress, record, digest, first - began, ended - first))
+                progress, record, steps, digest = _result(out, world.bitwise)
+            self.refs[key] = vars(Ref(progress, record, steps, digest, first - began, ended - first))
             self.refs_file.write_text(json.dumps(self.refs, indent=1))
         return Ref(**self.refs[key])
 
@@ -680,7 +684,7 @@ def differs(out: Path, bitwise: bool, ref: Ref) -> str:
     """'' if the run in `out` ended with the undisturbed run's steps and record (and bytes, under --bitwise);
     else everything that differs, not only the first."""
     try:
-        progress, record, digest = _result(out, bitwise)
+        progress, record, steps, digest = _result(out, bitwise)
     except (OSError, ValueError, checkpoint.UserError) as e:
         return f"left no final checkpoint ({e})"
     found = []
@@ -691,6 +695,10 @@ def differs(out: Path, bitwise: bool, ref: Ref) -> str:
                  if ours != theirs] + ([f"{len(record)} epochs against {len(ref.record)}"]
                                        if len(record) != len(ref.record) else [])
         found.append(f"wrote another metrics record ({'; '.join(wrong)})")
+    if steps != ref.steps:
+        at = next((i for i, (ours, theirs) in enumerate(zip(steps, ref.steps)) if ours != theirs), None)
+        where = f"; step {at + 1} ends at {steps[at]} samples, not {ref.steps[at]}" if at is not None else ""
+        found.append(f"trained other steps ({len(steps)} against {len(ref.steps)}{where})")
     if digest != ref.digest:
         found.append(f"saved other weights (SHA-256 {digest[:12]}…, undisturbed {ref.digest[:12]}…)")
     return "; and ".join(found)
@@ -713,7 +721,7 @@ def _tail(said: list[str]) -> str:
 
 def _source_digest() -> str:
     h = hashlib.sha256()
-    for path in sorted((REPO / "src" / "mnist_ddp").glob("*.py")):
+    for path in [*sorted((REPO / "src" / "mnist_ddp").glob("*.py")), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

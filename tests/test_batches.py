@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mnist_ddp import compute
-from mnist_ddp.batches import MEAN, STD, ShardedBatches
+from mnist_ddp.batches import MEAN, STD, ShardedBatches, Share, StepBatches
 from mnist_ddp.config import RECIPES
 
 CPU = torch.device("cpu")
@@ -20,6 +20,24 @@ def test_len_is_the_number_of_batches_yielded(world: int) -> None:
         for rank in range(world):
             b = ShardedBatches(images, labels, 8, rank=rank, world=world, device=CPU, shuffle=False, pad=pad)
             assert len(b) == len(list(b))
+
+
+@pytest.mark.parametrize("kind", ["sharded", "slots"])
+def test_an_epoch_goes_on_after_the_steps_its_start_trained(kind: str) -> None:
+    """set_epoch(e, start) leaves out the steps that trained `start` samples: k whole steps, or the whole epoch
+    where its last step was partial (101 samples, 3 ranks of 8: 5 steps, the last of 5 rows)."""
+    n, world = 101, 3
+    images, labels = torch.zeros(n, 28, 28, dtype=torch.uint8), torch.arange(n)
+    b = ShardedBatches(images, labels, 8, rank=1, world=world, device=CPU, shuffle=True) if kind == "sharded" else \
+        StepBatches(images, labels, 8, Share(world, world), rank=1, device=CPU, seed=0)
+    assert b.steps_per_epoch == 5
+    b.set_epoch(1)
+    every = [s[1] if kind == "sharded" else s.micro_batches[0].y for s in b]
+    for start, left in ((0, 5), (2 * b.global_batch, 3), (n, 0)):
+        b.set_epoch(1, start=start)
+        rest = [s[1] if kind == "sharded" else s.micro_batches[0].y for s in b]
+        assert len(b) == len(rest) == left
+        assert all(torch.equal(x, y) for x, y in zip(rest, every[5 - left:], strict=True))
 
 
 @pytest.mark.parametrize("channels_last", [True, False])

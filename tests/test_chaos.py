@@ -65,6 +65,8 @@ def test_the_check_can_fail(campaign: chaos.Campaign) -> None:
     assert chaos.differs(out, True, ref) == ""
     assert "saved other weights" in chaos.differs(out, True, replace(ref, digest="0" * 64))
     assert "ended at" in chaos.differs(out, True, replace(ref, progress={"epoch": 3, "consumed": 0}))
+    twice = ref.steps[:67] + ref.steps[66:]  # epoch 1's last step trained again
+    assert "trained other steps (" in chaos.differs(out, True, replace(ref, steps=twice))
     other = [dict(line, train_samples=line["train_samples"] + 18) for line in ref.record]
     said = chaos.differs(out, True, replace(ref, record=other, digest="0" * 64))  # all that differs, not the first
     assert "wrote another metrics record (epoch 1: " in said and "epoch 2: " in said and "saved other weights" in said

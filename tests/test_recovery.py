@@ -1,5 +1,5 @@
 """--recover: a lost rank costs no step. Real -g runs in which a rank is SIGKILLed at a chosen step (the test hook
-recovery.LOSE_VAR) or frozen (SIGSTOP), against the same run undisturbed: the same saved bytes under --bitwise
+lossplan.LOSE_VAR) or frozen (SIGSTOP), against the same run undisturbed: the same saved bytes under --bitwise
 (SHA-256 of every tensor, BatchNorm's buffers included), the same weights up to float rounding without it, and the
 same epochs, samples, global batch and lr in metrics.jsonl; also on two machines (network namespaces).
 
@@ -7,6 +7,7 @@ The run is test_bitwise.py's chaotic one (fp32 SGD, momentum 0.9: any deviation 
 micro-batches of 8, so M = 3 gives 20 steps an epoch and M = 4 gives 15.
 """
 
+import json
 import multiprocessing
 import multiprocessing.process
 import os
@@ -25,7 +26,7 @@ import torch
 
 from conftest import metrics, progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, launch, recovery
+from mnist_ddp import checkpoint, launch, lossplan, recovery
 from mnist_ddp.config import TrainConfig
 from mnist_ddp.distributed import Dist, PeerFailure
 from mnist_ddp.errors import UserError
@@ -42,7 +43,7 @@ SAME = ("epoch", "train_samples", "global_batch", "lr", "batch_size")  # what me
 
 
 def _train(out: Path, *extra: str, lose: str = "") -> str:
-    env = {**ONE_THREAD, **({recovery.LOSE_VAR: lose} if lose else {})}
+    env = {**ONE_THREAD, **({lossplan.LOSE_VAR: lose} if lose else {})}
     r = run_cli("train", *extra, "--out", str(out), cwd=out.parent, env=env, timeout=RUN_TIMEOUT)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout + r.stderr
@@ -101,7 +102,7 @@ def test_two_machines_lose_a_rank_each_and_save_the_same_bytes(bitwise: dict[str
     """-n 2 -g 2 on two network namespaces: rank 2 (node 1) is lost in epoch 1 and rank 0 (node 0) in epoch 2;
     the two left, one on each machine, re-form over the veth cable and save the bytes of the undisturbed run."""
     addrs = ("10.79.0.1", "10.79.0.2")
-    env, mark = marked_env({**ONE_THREAD, recovery.LOSE_VAR: "2:5,0:20"})
+    env, mark = marked_env({**ONE_THREAD, lossplan.LOSE_VAR: "2:5,0:20"})
     outs = [tmp_path / f"node{n}-disk" for n in range(2)]
     with netns_pair(f"mrec-{uuid.uuid4().hex[:6]}", addrs) as names, reaped(mark):
         nodes = [start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "-n", "2", "-g", "2", "-nr", str(n),
@@ -125,7 +126,7 @@ def test_node_0s_launcher_is_lost_and_node_1s_takes_the_store_over(bitwise: dict
     held from the start, once it proved it holds the job's secret, and finish the run in node 1's --out with the
     undisturbed run's bytes."""
     addrs = ("10.79.2.1", "10.79.2.2")
-    env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret", recovery.LOSE_VAR: "0:2:launcher"})
+    env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret", lossplan.LOSE_VAR: "0:2:launcher"})
     outs = [tmp_path / f"node{n}-disk" for n in range(2)]
     with netns_pair(f"msuc-{uuid.uuid4().hex[:6]}", addrs) as names, reaped(mark):
         nodes = [start(["mnist_ddp", "train", *ARGS, "--bitwise", "--recover", "-n", "2", "-g", str(gpus), "-nr",
@@ -224,7 +225,7 @@ def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
     node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
     with reaped(mark):
         first = node(0, "node0.log", **{recovery.JOIN_VAR: "40"})
-        lost = node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"})
+        lost = node(1, "lost.log", **{lossplan.LOSE_VAR: "1:7"})
         rc, said = finish(lost, tmp_path / "lost.log", RUN_TIMEOUT)
         assert rc != 0, said
         replacement = node(1, "replacement.log")
@@ -254,10 +255,10 @@ def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss
     node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
     with reaped(mark):
         first = node(0, "node0.log", **{recovery.JOIN_VAR: "40"})
-        rc, said = finish(node(1, "lost.log", **{recovery.LOSE_VAR: "1:7"}), tmp_path / "lost.log", RUN_TIMEOUT)
+        rc, said = finish(node(1, "lost.log", **{lossplan.LOSE_VAR: "1:7"}), tmp_path / "lost.log", RUN_TIMEOUT)
         assert rc != 0, said
         rc, refused = finish(node(1, "wrong.log", "--lr", "0.04"), tmp_path / "wrong.log", RUN_TIMEOUT)
-        rc_again, lost_again = finish(node(1, "again.log", **{recovery.LOSE_VAR: f"1:{again}"}), tmp_path / "again.log",
+        rc_again, lost_again = finish(node(1, "again.log", **{lossplan.LOSE_VAR: f"1:{again}"}), tmp_path / "again.log",
                                       RUN_TIMEOUT)
         rc_first, log = finish(first, tmp_path / "node0.log", RUN_TIMEOUT)
     sentences = [line for line in refused.splitlines() if line.startswith("mnist-ddp: ")]
@@ -410,8 +411,49 @@ def test_rank_0_lost_once_the_final_checkpoint_is_saved_is_redone(bitwise: dict[
     all-reduce, which fails inside the loop; the survivor redoes the epoch's end (evaluation, metrics, saves) as
     rank 0, and the job finishes with the undisturbed bytes and record."""
     out, calm = tmp_path / "out", bitwise["2"][0]
-    log = _train(out, *ARGS, "--bitwise", "-g", "2", "--recover", lose="0:60")
+    log = _train(out, *ARGS, "--bitwise", "-g", "2", "--recover", lose="0:60:saved")
     lines = _recover_lines(log)
-    assert len(lines) == 1 and lines[0].startswith("recover: rank 0 (") and "lost at epoch 2, step 31 " in lines[0], log
+    assert len(lines) == 1 and lines[0].startswith("recover: rank 0 (") and "lost at the end of epoch 2 " in lines[0], \
+        log
     assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(calm))
     _same_record(out, calm)
+
+
+# --- a rank lost at an epoch's edge ---------------------------------------------------------------------------------
+# 470 images at M = 3: slots of 157 (the sampler pads 470 to 471), 20 steps an epoch, the last one partial (5 of 8
+# rows): the end of an epoch is not a whole number of global batches.
+EDGE_ARGS = [*tiny(470, 100, epochs=2), *ARGS[ARGS.index("--batch-size"):], "--bitwise", "-g", "3", "--recover",
+             "--log-every", "1"]
+EDGE_STEP = 20  # the steps of epoch 1: every point below is passed after it
+EDGES = [(point, rank, sig) for point in lossplan.POINTS for rank in (0, 1) for sig in ("SIGKILL", "SIGTERM")]
+# CI: each point once, rank 0 and another, SIGKILL and SIGTERM in turn; EDGES=all for all of them.
+EDGES_RUN = EDGES if os.environ.get("EDGES") == "all" else [e for i, e in enumerate(EDGES) if i % 4 == i // 4 % 4]
+
+
+def _steps(out: Path) -> list[tuple[int, float]]:
+    """steps.jsonl with --log-every 1: every optimizer step's samples done and lr."""
+    return [(s["samples"], s["lr"]) for s in map(json.loads, (out / "steps.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def edge_calm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("edge") / "calm"
+    _train(out, *EDGE_ARGS)
+    return out
+
+
+@pytest.mark.parametrize("point, rank, sig", EDGES_RUN)
+def test_a_rank_lost_at_an_epochs_end_costs_nothing(edge_calm: Path, tmp_path: Path, point: str, rank: int,
+                                                    sig: str) -> None:
+    """A rank lost (SIGKILL, or SIGTERM, which unwinds it) at each point between epoch 1's last step and epoch 2's
+    first — the fold, the evaluation, rank 0's saves, the all-reduce after them, the next step — where the epoch's
+    last step is partial: the survivors go back and finish with the undisturbed run's steps, record and bytes."""
+    out = tmp_path / "out"
+    log = _train(out, *EDGE_ARGS, lose=f"{rank}:{EDGE_STEP}:{point}:{sig}")
+    lines = _recover_lines(log)
+    where = "epoch 2, step 1 " if point == "step" else "the end of epoch 1 "
+    assert len(lines) == 1 and lines[0].startswith(f"recover: rank {rank} (") and f"lost at {where}" in lines[0], log
+    assert _steps(out) == _steps(edge_calm)
+    _same_record(out, edge_calm)
+    assert progress(out) == progress(edge_calm)
+    assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(edge_calm))

@@ -55,9 +55,10 @@ class ShardedBatches:
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for `epoch` (the call the tutorial forgot: without it every epoch repeats the first's
-        order), leaving out the first `start` samples of the epoch (all ranks'), trained on before a resume."""
+        order), leaving out the steps that trained the first `start` samples of the epoch (all ranks'): every step
+        whole, the last one too where it was partial (`start` the epoch's size)."""
         self.sampler.set_epoch(epoch)
-        self.first = start // self.global_batch
+        self.first = math.ceil(start / self.global_batch)
 
     def indices(self) -> torch.Tensor:
         """This rank's samples of the epoch, in order."""
@@ -165,8 +166,8 @@ class StepBatches:
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out the
-        first `start` samples of its permutation, trained on before a resume (a whole number of steps)."""
-        self.epoch, self.first = epoch, start // self.global_batch
+        steps that trained the first `start` samples of its permutation (the last one too where it was partial)."""
+        self.epoch, self.first = epoch, math.ceil(start / self.global_batch)
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.first

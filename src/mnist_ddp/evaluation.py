@@ -35,16 +35,18 @@ def evaluate(model: nn.Module, batches: ShardedBatches, d: Dist, amp: str = "off
     d.set_phase("evaluating")
     was_training = model.training
     model.eval()
-    # The loss sum, then the 100 confusion counts: one tensor, so one all-reduce carries them all.
-    # float32 counts are exact up to 2**24 images, far beyond any test set here.
-    totals = torch.zeros(1 + 100, device=d.device)
-    for x, y in batches:
-        with autocast(d.device, amp):
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1:] += torch.bincount(y * 10 + logits.argmax(1), minlength=100)
-    d.all_sum(totals)
-    model.train(was_training)
+    try:  # a peer lost meanwhile (--recover goes back and trains on): the model is left as it was found
+        # The loss sum, then the 100 confusion counts: one tensor, so one all-reduce carries them all.
+        # float32 counts are exact up to 2**24 images, far beyond any test set here.
+        totals = torch.zeros(1 + 100, device=d.device)
+        for x, y in batches:
+            with autocast(d.device, amp):
+                logits = model(x)
+            totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+            totals[1:] += torch.bincount(y * 10 + logits.argmax(1), minlength=100)
+        d.all_sum(totals)
+    finally:
+        model.train(was_training)
     confusion = totals[1:].round().long().reshape(10, 10).cpu()
     count = int(confusion.sum())
     return EvalResult(float(totals[0]) / max(count, 1), int(confusion.trace()), count, confusion)

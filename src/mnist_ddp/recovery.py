@@ -8,9 +8,7 @@ first, `take_in` lets a replacement of a lost rank join at a step boundary (`gro
 """
 
 import json
-import multiprocessing
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -22,21 +20,18 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, distributed, membership, regroup, rendezvous, successor, untrusted
-from .batches import Share
+from .batches import ShardedBatches, Share, StepBatches
 from .config import TrainConfig, run_settings
 from .distributed import Dist, PeerFailure
 from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from .identity import Identity
+from .lossplan import LossPlan
 from .report import Reporter
 from .snapshot import Snapshots
 from .state import Progress, Stretch, Training
 from .steps import PartStats
 
-# Tests only: "R:S[,R:S…]": the process that was rank R of the first world SIGKILLs itself where step S + 1 begins
-# (S the run's last step: once the final checkpoint is saved); "R:S:launcher", its launcher (the store's host, for
-# node 0's ranks).
-LOSE_VAR = "MNIST_DDP_TEST_LOSE"
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.
 JOIN_VAR = "MNIST_DDP_TEST_JOIN"
 JOIN_EVERY = 10  # steps: how often a world smaller than the first looks for a replacement (rank 0, in the store)
@@ -72,6 +67,7 @@ class Loop(Protocol):
     d: Dist
     t: Training
     share: Share
+    train_batches: ShardedBatches | StepBatches
     stats: PartStats
     stretch: Stretch
     report: Reporter
@@ -114,17 +110,6 @@ def world_change(recovery: "Recovery | None", e: BaseException) -> str | list[tu
     return rendezvous.error_summary(e)
 
 
-def doomed_steps(env: dict[str, str] | os._Environ, rank: int) -> dict[int, int]:
-    """The steps done after which this rank kills a process (`LOSE_VAR`; tests only: snapshot.Snapshots.take): step ->
-    the pid, its own or its launcher's."""
-    launcher = multiprocessing.parent_process()
-    found = {}
-    for r, step, *whom in (item.split(":") for item in env.get(LOSE_VAR, "").split(",") if item.strip()):
-        if int(r) == rank:
-            found[int(step)] = launcher.pid if whom == ["launcher"] and launcher else os.getpid()
-    return found
-
-
 class Recovery:
     """One rank's side of in-place recovery: `recover` after a failure, and the heartbeat of its last generation."""
 
@@ -136,7 +121,7 @@ class Recovery:
         self.generation, self.joining = (placed.generation, True) if placed else (0, False)
         # each rank's rank in the first world, what the lines name
         self.first = list(placed.members) if placed else list(range(ident.world_size))
-        self.doomed = doomed_steps(os.environ, ident.rank)
+        self.plan = LossPlan(os.environ, ident.rank)  # tests only: where this rank is lost on purpose
         self.await_at = int(os.environ.get(JOIN_VAR) or -1)
         self.store: dist.Store | None = None
         self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
@@ -168,10 +153,9 @@ class Recovery:
             loop.report = loop.report.taken_over(loop.samples_done)
         loop.report.keep_epochs_before(loop.t.progress.epoch)
         loop.report.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
-        p, moved = loop.t.progress, f"; {new.moved}" if new.moved else ""
-        loop.report.say(f"recover: {', '.join(new.lost) or 'no rank'} lost at epoch {p.epoch + 1}, step "
-                        f"{loop.step_in_epoch + 1} (rank {rank_was} saw: {failure}){moved}; "
-                        f"{self._went_on(loop, began)}")
+        moved = f"; {new.moved}" if new.moved else ""
+        loop.report.say(f"recover: {', '.join(new.lost) or 'no rank'} lost at {_where(loop)} (rank {rank_was} saw: "
+                        f"{failure}){moved}; {self._went_on(loop, began)}")
 
     def _went_on(self, loop: Loop, began: float) -> str:
         """The end of a `recover: ` line: the new world, its generation, the seconds since `began`, its share."""
@@ -184,8 +168,7 @@ class Recovery:
         """After an epoch's saves: one small all-reduce, so that a rank lost after the epoch's last collective (rank 0
         while it saves) is lost inside the loop, which goes back and redoes the epoch's end, its saves included,
         rather than after the run's last step, where nothing could (docs/design/recovery.md)."""
-        if loop.t.progress.epoch == loop.cfg.recipe.epochs and loop.steps_done in self.doomed:  # tests only
-            os.kill(self.doomed[loop.steps_done], signal.SIGKILL)
+        self.plan.reached("saved", loop.steps_done)
         loop.d.all_sum(torch.zeros((), device=loop.d.device))
 
     def stop(self, left: str, culprit: bool) -> None:
@@ -320,9 +303,8 @@ class Recovery:
         distributed.teardown(together=True)
         loop.d = self._enter(d, backend, members, d.rank, "re-formed with a replacement")
         self.handover(loop, parts)
-        p, joined = loop.t.progress, ", ".join(f"rank {r}" for r, _ in joiners)
-        loop.report.say(f"recover: {joined} joined at epoch {p.epoch + 1}, step {loop.step_in_epoch + 1}; "
-                        f"{self._went_on(loop, began)}")
+        joined = ", ".join(f"rank {r}" for r, _ in joiners)
+        loop.report.say(f"recover: {joined} joined at {_where(loop)}; {self._went_on(loop, began)}")
 
     def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
         """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
@@ -394,6 +376,14 @@ class Recovery:
                 raise PeerFailure(f"rank {d.rank} could not agree with the other processes on how to go on within "
                                   f"--timeout {self.timeout:g} s; run again with --resume.")
             time.sleep(POLL_S)
+
+
+def _where(loop: Loop) -> str:
+    """Where the world goes on from, in words: a step, or an epoch's end (its fold, evaluation and saves)."""
+    epoch = loop.t.progress.epoch + 1
+    if loop.step_in_epoch == loop.train_batches.steps_per_epoch:
+        return f"the end of epoch {epoch}"
+    return f"epoch {epoch}, step {loop.step_in_epoch + 1}"
 
 
 def _position(raw: bytes) -> int | None:

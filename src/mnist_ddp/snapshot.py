@@ -2,8 +2,6 @@
 sets, progress), the last two, so that survivors one step apart can all go back to the step that failed
 (docs/design/recovery.md)."""
 
-import os
-import signal
 from collections import deque
 from collections.abc import Mapping
 from copy import deepcopy
@@ -38,16 +36,13 @@ class Snapshot:
 class Snapshots:
     """The last two positions' states of one rank; every rank passes the same positions in the same order."""
 
-    def __init__(self, t: Training, doomed: Mapping[int, int]) -> None:
-        self.t, self.position, self.doomed = t, 0, doomed  # doomed: recovery.LOSE_VAR's step -> pid (tests only)
+    def __init__(self, t: Training) -> None:
+        self.t, self.position = t, 0
         self.live = [*t.model.parameters(), *t.model.buffers()]
         self.kept: deque[Snapshot] = deque(maxlen=2)
 
-    def take(self, stats: PartStats, stretch: Stretch, known: Mapping[int, torch.Tensor],
-             step: int | None = None) -> None:
-        """A new position begins (a fold, or step `step` + 1): copy the state it starts from."""
-        if step in self.doomed:  # tests only: this process (or its launcher) ends here, as a lost machine would
-            os.kill(self.doomed[step], signal.SIGKILL)
+    def take(self, stats: PartStats, stretch: Stretch, known: Mapping[int, torch.Tensor]) -> None:
+        """A new position begins (a fold, or a step): copy the state it starts from."""
         self.position += 1
         t = self.t
         with torch.no_grad():

@@ -40,7 +40,7 @@ class Trainer:
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
         self.graph, self.graph_loss = None, torch.zeros((), device=d.device)  # the CUDA graph step: `run` decides
-        self.snapshots = Snapshots(self.t, recovery.doomed) if recovery else None  # --recover: where each step began
+        self.snapshots = Snapshots(self.t) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
@@ -113,6 +113,7 @@ class Trainer:
         _, seen_before, start = self.clock
         self.train_batches.set_epoch(epoch, start=self.t.progress.consumed)
         seconds = self._train_epoch(net, epoch, start)
+        self._lose_here("evaluation")
         result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
         speed = (self.t.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
         lr = self.t.opt.param_groups[0]["lr"]
@@ -121,6 +122,7 @@ class Trainer:
         self.report.epoch(record, result.confusion, self.data.classes, self.samples_done)  # a metrics.jsonl line
         best = max(self.t.progress.best_accuracy, result.accuracy)
         self.t.progress = Progress(epoch=epoch + 1, best_accuracy=best)
+        self._lose_here("save")
         self._save(best=result if result.accuracy >= best else None)
         if self.recovery:  # --recover: a rank lost while rank 0 saved is lost inside the loop (recovery.py)
             self.recovery.saved(self)
@@ -136,7 +138,8 @@ class Trainer:
                                      initial=batches.first):
             if self.snapshots:  # --recover: a replacement may join here; the state this step starts from
                 self.recovery.take_in(self)
-                self.snapshots.take(self.stats, self.stretch, self.reduction.sets, step=self.steps_done)
+                self._lose_here("step")
+                self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
             step_loss = self._step(net, batch)
@@ -195,6 +198,7 @@ class Trainer:
         """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
         count, kept step losses and count of non-finite numbers, in one all-reduce; stop if the run diverged."""
         if self.snapshots:  # --recover: the state this fold starts from
+            self._lose_here("fold")
             self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
         s = self.stretch
         self.stats.average(self.steps_done)
@@ -208,6 +212,11 @@ class Trainer:
         self.stretch = Stretch(torch.zeros((), device=self.d.device))
         divergence.check(math.isfinite(p.loss_sum) and not totals[2], self.t.scaler, p.epoch + 1, self.step_in_epoch,
                          self.t.opt.param_groups[0]["lr"], self.cfg.recipe.lr)
+
+    def _lose_here(self, point: str) -> None:
+        """Tests of --recover only: a loss planned at this point of the loop (lossplan.py)."""
+        if self.recovery:
+            self.recovery.plan.reached(point, self.steps_done)
 
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
