@@ -40,8 +40,10 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 train: $(VENV)/.plot
 	$(BIN)/mnist-ddp train --dataset auto $(ARGS)
 
+# ruff, and mypy over src/ (pyproject.toml's [tool.mypy]): the annotations are checked, not only written.
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
 
 # pytest's exit code 5 ("no tests ran") is a failure here, never a silent pass.
 test: lint

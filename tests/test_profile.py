@@ -199,6 +199,10 @@ def test_an_odd_world_trains_the_same_with_the_comm_hook(tmp_path: Path) -> None
     _train(profiled, tmp_path, "-g", "3", "--profile", "1")
     _train(plain, tmp_path, "-g", "3")
     _assert_same_weights(profiled, plain)
+    split = json.loads((profiled / "profile" / "phases.json").read_text())  # and the clock ran, on every rank
+    assert [r["rank"] for r in split["ranks"]] == [0, 1, 2] and all(len(r["steps"]) == 1 for r in split["ranks"])
+    for r in split["ranks"]:
+        _assert_steps_are_split(r, world=3)
 
 
 def test_one_process_profiles_the_steps_left_in_a_short_epoch(tmp_path: Path) -> None:
@@ -258,7 +262,7 @@ class _Event:
         return later.ms - self.ms
 
 
-def test_on_a_gpu_the_clock_reads_the_events_from_the_steps_anchor() -> None:
+def test_on_a_gpu_the_clock_reads_the_events_from_the_steps_anchor(monkeypatch: pytest.MonkeyPatch) -> None:
     """BucketClock's GPU path (no GPU here, so events stand in): a bucket's moments are the events recorded when
     the observer was told, read as the anchor's perf_counter plus their time after the anchor's event, not the
     moments the observer was told (under NCCL the callback runs when the all-reduce is queued); outside an
@@ -277,7 +281,9 @@ def test_on_a_gpu_the_clock_reads_the_events_from_the_steps_anchor() -> None:
     clock.back(0)  # after settle, no anchor: dropped
     clock.settle()
     assert len(seen) == 1 and clock.pending == []
+    readings = iter([7.0, 7.5])
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(readings))
     cpu = timeline.BucketClock(lambda a, b: seen.append((a, b)), torch.device("cpu"))
     cpu.handed_over(3)
     cpu.back(3)  # on the CPU: perf_counter, recorded at once, no anchor needed
-    assert len(seen) == 2 and seen[1][1] >= seen[1][0]
+    assert seen[1:] == [(7.0, 7.5)]

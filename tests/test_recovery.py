@@ -346,24 +346,27 @@ def test_the_launcher_stops_waiting_once_a_child_failed_on_its_own(reported: boo
     """A child that ended with a failure of its own (a world that never formed: its peer froze before joining)
     ends the job under --recover too: await_every_child returns, the run not finished, while the frozen child is
     still there, for the launcher to stop. The control: a child lost (no failure of its own reported) leaves the
-    launcher waiting for the other."""
+    launcher waiting for the other, until that one ends."""
     ctx = multiprocessing.get_context("fork")
     children = [ctx.Process(target=os._exit, args=(2,)), ctx.Process(target=_freeze)]
     for p in children:
         p.start()
-    result: list[bool] = []
-    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(children, lambda: reported)),
-                               daemon=True)
+    result: list[tuple[bool, bool]] = []  # what it returned, and whether the frozen child had been killed by then
+    killed = threading.Event()
+    waiting = threading.Thread(target=lambda: result.append(
+        (launch.await_every_child(children, lambda: reported), killed.is_set())), daemon=True)
     try:
         waiting.start()
         waiting.join(30 if reported else 3)
         assert waiting.is_alive() != reported, "returned" if waiting.is_alive() else "still waits"
-        assert result == ([False] if reported else []) and children[1].exitcode is None
+        assert result == ([(False, False)] if reported else []) and children[1].exitcode is None
     finally:
+        killed.set()
         children[1].kill()
         for p in children:
             p.join(5)
         waiting.join(30)
+    assert result == [(False, not reported)]  # the control returned once the frozen child ended, not before
 
 
 def test_a_rank_frozen_before_it_joined_ends_the_job_in_one_line(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from . import cli
-from .config import TrainConfig
+from .config import EvalConfig, PredictConfig, TrainConfig
 from .errors import UserError
 from .results import Evaluation, Prediction, Run
 
@@ -125,6 +125,7 @@ def evaluate(checkpoint: str | os.PathLike, **options: Any) -> Evaluation:
     """The test metrics of a checkpoint (any ConvNet's, also one saved under DDP), as `mnist-ddp evaluate`
     prints them."""
     cfg = cli.configure(command_line("evaluate", options, (str(checkpoint),)))
+    assert isinstance(cfg, EvalConfig)
     from . import infer
 
     return infer.evaluation(cfg)
@@ -141,14 +142,14 @@ def predict(checkpoint: str | os.PathLike, inputs: Any, **options: Any) -> list[
     from . import images, infer
 
     items = list(inputs) if isinstance(inputs, list | tuple) else [inputs]
-    kinds = [(str, os.PathLike), Image.Image, torch.Tensor]
     for i, item in enumerate(items):
-        if not any(isinstance(item, k) for k in kinds):
+        if not isinstance(item, str | os.PathLike | Image.Image | torch.Tensor):
             raise UserError(f"predict's input {i} is a {type(item).__name__}; it takes paths (an image, a folder, "
                             f"an IDX file), PIL images and tensors.")
     # The files are named as given; an image or tensor by its place among the inputs.
     names = [str(x) if isinstance(x, str | os.PathLike) else f"input {i}" for i, x in enumerate(items)]
     cfg = cli.configure(command_line("predict", options, (str(checkpoint), *names)))
+    assert isinstance(cfg, PredictConfig)
 
     def sources() -> Iterator[tuple[str, torch.Tensor]]:
         for item, name in zip(items, names):

@@ -50,6 +50,11 @@ def write(path: Path, fill: Callable[[BinaryIO], object], keep: Path | None = No
                           f"intact: {fix}, then run again with --resume to continue from it.") from e
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    """`write` of `data`."""
+    write(path, lambda f: f.write(data))
+
+
 def _temp(path: Path) -> Path:
     """This process's temp file beside `path` (hidden; the next write of `path` removes a dead writer's)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -41,8 +41,9 @@ class ShardedBatches:
         n = len(labels)
         # Training: every world-th index of a permutation seeded by seed + epoch, padded to a multiple of the world.
         # Evaluation (`pad=False`): every world-th sample, none repeated, so totals count each sample once.
-        self.sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed) \
-            if pad else range(rank, n, world)
+        self.sampler: DistributedSampler | range = DistributedSampler(
+            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed  # type: ignore[arg-type]  # indices
+        ) if pad else range(rank, n, world)
         self.first = 0
 
     @property
@@ -57,6 +58,7 @@ class ShardedBatches:
         """Reshuffle for `epoch` (the call the tutorial forgot: without it every epoch repeats the first's
         order), leaving out the steps that trained the first `start` samples of the epoch (all ranks'): every step
         whole, the last one too where it was partial (`start` the epoch's size)."""
+        assert isinstance(self.sampler, DistributedSampler), "evaluation's batches have no epochs"
         self.sampler.set_epoch(epoch)
         self.first = math.ceil(start / self.global_batch)
 

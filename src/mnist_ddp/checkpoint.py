@@ -297,6 +297,7 @@ def load_latest(path: Path, check: Callable[[Path, dict[str, Any]], None], say: 
             f"(the refused file is kept as {aside})")
     elif found != path:
         say(f"resume: {path} is missing; resuming from {found}, the checkpoint saved before it")
+    assert ckpt is not None  # found with it
     return found, ckpt
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import extras, identity, tracking
 from .config import (
@@ -239,7 +239,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", help="where the results go (default: <out>/bench.json)")
 
 
-def _given(**values: object) -> dict[str, object]:
+def _given(**values: Any) -> dict[str, Any]:
     """The values the user gave: an absent flag (None) leaves the config's own default in place."""
     return {k: v for k, v in values.items() if v is not None}
 

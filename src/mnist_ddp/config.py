@@ -12,14 +12,15 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from . import inputfile
 from .errors import UserError
 
-Dataset = Literal["mnist", "fashion-mnist", "synthetic", "auto"]
+Known = Literal["mnist", "fashion-mnist", "synthetic"]  # the datasets a run can train on
+Dataset = Literal["mnist", "fashion-mnist", "synthetic", "auto"]  # what --dataset takes (auto: mnist, else fashion)
 Optimizer = Literal["sgd", "adamw"]
 Scheduler = Literal["none", "onecycle", "cosine"]
 Amp = Literal["auto", "off", "bf16", "fp16"]  # auto: the fastest for the device (compute.py)
@@ -348,5 +349,5 @@ class BenchConfig:
 
 def default(cls: type, name: str) -> Any:
     """The default of field `name` of config class `cls`: what --help shows and what an absent flag means."""
-    f = cls.__dataclass_fields__[name]
+    f = next(f for f in fields(cls) if f.name == name)
     return f.default_factory() if callable(f.default_factory) else f.default

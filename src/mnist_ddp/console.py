@@ -96,7 +96,9 @@ def _send(message: list[Any]) -> None:
             _launcher = None
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     if message[0] in ("out", "err"):  # what was meant for the launcher goes to this process's own files
-        (sys.__stdout__ if message[0] == "out" else sys.__stderr__).write(message[1])
+        stream = sys.__stdout__ if message[0] == "out" else sys.__stderr__
+        if stream is not None:  # None: Python started without it
+            stream.write(message[1])
 
 
 @contextmanager

@@ -93,8 +93,8 @@ def shared(folder: Path, names: tuple[str, ...], make: Callable[[], Tensors]) ->
             for name in names:  # each file whole or absent, even after a crash; a killed maker's temp files go
                 raw = idx.encode(made[name])
                 sha = hashlib.sha256(raw).hexdigest().encode()
-                atomic.write(folder / name, lambda f, raw=raw: f.write(raw))  # the digest last: a maker killed
-                atomic.write(_digest(folder / name), lambda f, sha=sha: f.write(sha))  # in between leaves a mismatch
+                atomic.write_bytes(folder / name, raw)  # the digest last: a maker killed in between leaves a
+                atomic.write_bytes(_digest(folder / name), sha)  # mismatch
             return made, f"{folder} (made and cached in {took()})"
     except (OSError, WriteFailed) as e:  # read-only or full: each process makes its own, on its share of the cores
         made = made if made is not None else make()  # made already if only the writing failed

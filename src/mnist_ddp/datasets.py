@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import datacache, idx, synthetic
-from .config import DataConfig
+from .config import DataConfig, Known
 from .download import DownloadError, fetch, file_lock
 from .errors import UserError
 
@@ -39,7 +39,7 @@ class DataNotFound(UserError):
 class Source:
     """A published IDX dataset: where to look for it and how to download it."""
 
-    name: str
+    name: Known
     torchvision_dir: str  # torchvision keeps it in <root>/<this>/raw
     mirrors: tuple[str, ...]
     md5: dict[str, str]  # .gz file name -> MD5 of the published file
@@ -89,7 +89,7 @@ EMPTY = Split(torch.empty(0, 28, 28, dtype=torch.uint8), torch.empty(0, dtype=to
 
 @dataclass(frozen=True)
 class Dataset:
-    name: str
+    name: Known
     where: str  # a folder, "… (downloaded)", or where the synthetic set was made or cached: said once at start
     classes: tuple[str, ...]
     train: Split

@@ -2,6 +2,7 @@
 
 import inspect
 from contextlib import nullcontext
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from .errors import UserError
 # rank 0's before every forward, a collective as slow as the gradient all-reduce at this size. torch 2.13
 # renamed the switch; `broadcast_buffers` is its older name.
 _NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
-NO_BUFFER_SYNC = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
+NO_BUFFER_SYNC: dict[str, Any] = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
 
 
 def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = False, accumulating: bool = False,
@@ -38,7 +39,7 @@ def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = Fa
                         **NO_BUFFER_SYNC)
         if hook is not None:
             model.register_comm_hook(hook, reduction.comm_hook)
-    return torch.compile(model) if compile else model
+    return cast(nn.Module, torch.compile(model)) if compile else model
 
 
 def check_sync_bn(sync_bn: bool, share: Share) -> None:

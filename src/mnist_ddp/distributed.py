@@ -130,6 +130,7 @@ class Dist:
         before it saves, so no checkpoint holds numbers from after an abort (docs/design/nccl-errors.md)."""
         if self.world_size == 1 or dist.get_backend() != "nccl":
             return
+        assert dist.group.WORLD is not None  # a world of several ranks has its group
         get_error = getattr(dist.group.WORLD._get_backend(self.device), "get_error", None)
         error = get_error() if get_error else None
         if error is not None and error.name != "SUCCESS":
@@ -252,6 +253,7 @@ def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, 
         store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
         rank, world, store = joining.admit(store, creds, heartbeat_s)  # trust, heartbeat: a reader may skip it
         form_group(backend, store, rank, world, timeout, device)
+    assert joining.entry is not None  # admitted
     return joining.beat, joining.entry
 
 
@@ -263,7 +265,7 @@ def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: 
     # there itself; `join` opens it first, so that each rank proves it is one of the job's (membership.py) and starts
     # its heartbeat before the group forms, then hands it over. nccl: device_id makes the communicator now, on its GPU.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                            **({"device_id": device} if backend == "nccl" else {}))
+                            device_id=device if backend == "nccl" else None)
 
 
 class _Joining:

@@ -89,6 +89,7 @@ def to_onnx(model: nn.Module, normalize: bool, metadata: dict[str, str]) -> byte
         program = torch.onnx.export(net, (torch.rand(2, 1, 28, 28),), dynamo=True, opset_version=OPSET,
                                     input_names=[INPUT], output_names=[OUTPUT], external_data=False, verbose=False,
                                     dynamic_shapes=({0: torch.export.Dim("batch")},))
+    assert program is not None  # dynamo=True returns the program
     proto = program.model_proto
     onnx.helper.set_model_props(proto, metadata)
     onnx.checker.check_model(proto)

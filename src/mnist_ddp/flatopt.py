@@ -2,6 +2,7 @@
 host synchronisation, so a CUDA graph can hold it (graphstep.py). Its state lives in torch's own optimizer, so
 checkpoints are unchanged (docs/design/graph-step.md)."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ class Flat:
     step: torch.Tensor  # AdamW's step count, shared by every parameter (they are always stepped together)
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` laid out like `like`, one after another, each with its tensor's strides (channels_last too)."""
     out, at = [], 0
     for t in like:

@@ -173,6 +173,7 @@ class GraphStep:
         try:
             if why := self._injected_failure():
                 return why
+            assert self.stream is not None  # CUDA: made with the step
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 for i in range(WARMUP_STEPS):
@@ -206,7 +207,7 @@ class GraphStep:
         capture the step: why'). A captured collective must be captured, and replayed, by every rank (NCCL)."""
         reasons = self.d.gather(why)
         return self.d.from_main(lambda: next((f"rank {r} could not capture the step: {w}"
-                                              for r, w in enumerate(reasons) if w), ""))
+                                              for r, w in enumerate(reasons or []) if w), ""))
 
 
 class Pacer:

@@ -28,8 +28,9 @@ def beats_prefix(generation: int) -> str:
 
 
 # What a beat holds (`Heartbeat._beat`); a record without these, of these types, is no beat of ours.
-BEAT = {"host": str, "pid": int, "node": str, "start": str, "seq": int, "doing": str, "left": (str, type(None)),
-        "culprit": bool}
+BEAT: dict[str, type | tuple[type, ...]] = {
+    "host": str, "pid": int, "node": str, "start": str, "seq": int, "doing": str, "left": (str, type(None)),
+    "culprit": bool}
 
 
 def _node() -> str:

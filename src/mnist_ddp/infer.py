@@ -9,7 +9,7 @@ import torch
 
 from . import compute, datasets, idx, images, inputfile, model_file
 from .batches import ShardedBatches, model_input
-from .config import AMP, DATASETS, EvalConfig, PredictConfig
+from .config import AMP, DATASETS, EvalConfig, Known, PredictConfig
 from .distributed import Dist, pick_device
 from .errors import UserError
 from .evaluation import evaluate
@@ -21,7 +21,7 @@ class Trained:
     """What a model file says of how its model was trained, checked: a bare state_dict says nothing, so MNIST's
     pixels, not normalised, in fp32."""
 
-    dataset: str = "mnist"
+    dataset: Known = "mnist"
     normalize: bool = False
     amp: str = "off"
     channels_last: bool | None = None
@@ -60,7 +60,8 @@ def evaluation(cfg: EvalConfig) -> Evaluation:
     channels_last = compute.channels_last_for(was.channels_last, device)
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
                              shuffle=False, pad=False, normalize=was.normalize, channels_last=channels_last)
-    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    layout = torch.channels_last if channels_last else torch.preserve_format
+    model = model.to(device, memory_format=layout)  # type: ignore[call-overload]  # documented; not in the stubs
     result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
     return Evaluation(result.accuracy, result.correct, result.count, result.loss, data.name, data.where,
                       result.confusion.tolist())

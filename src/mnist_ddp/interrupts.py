@@ -36,13 +36,15 @@ def held() -> Iterator[None]:
         else:
             came.append(signum)
     for s in SIGNALS:
-        if callable(signal.getsignal(s)):
-            before[s] = signal.signal(s, hold)
+        handler = signal.getsignal(s)
+        if callable(handler):
+            before[s] = handler
+            signal.signal(s, hold)
     try:
         yield
     finally:
         ended = True
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
         if came:
             signal.raise_signal(came[0])

@@ -42,7 +42,7 @@ def planned(env: Mapping[str, str], rank: int) -> list[Loss]:
             continue
         point = next((word for word in rest if word in POINTS), "step")
         sig = next((signal.Signals[word] for word in rest if word in signal.Signals.__members__), signal.SIGKILL)
-        pid = launcher.pid if "launcher" in rest and launcher else os.getpid()
+        pid = (launcher.pid if "launcher" in rest and launcher else None) or os.getpid()
         found.append(Loss(point, int(step), pid, sig))
     return found
 

@@ -121,7 +121,7 @@ def admit_late(store: dist.Store, world: int, creds: Credentials, nonce: str, pr
     for raw in dict.fromkeys(_HEX32.findall(_read(store, CHECKINS))):
         token = raw.decode()
         if not store.check([VERDICT + token]) and (answer := admission._answer(token)):
-            store.set(VERDICT + token, answer)
+            store.set(VERDICT + token, answer)  # type: ignore[arg-type]  # a store takes bytes (not in the stubs)
     return {rank: token for rank, (token, _) in admission.admitted.items()}
 
 
@@ -169,8 +169,9 @@ def wait_for_all(store: dist.Store, ident: Identity, creds: Credentials, entry: 
     if entry.token is None:
         _Admission(store, ident.world_size, creds, entry.nonce).run(deadline)
         return
-    welcome = _mac(creds.secret, "welcome", entry.nonce, entry.token, ident.rank)
-    _wait(lambda: _read(store, WELCOME + entry.token) == welcome.encode() or None, deadline,
+    token = entry.token
+    welcome = _mac(creds.secret, "welcome", entry.nonce, token, ident.rank)
+    _wait(lambda: _read(store, WELCOME + token) == welcome.encode() or None, deadline,
           lambda: _stalled(store, ident.world_size))
 
 
@@ -187,7 +188,7 @@ def _check_in(store: dist.Store, ident: Identity, creds: Credentials, deadline: 
     def verdict() -> bool | None:
         nonlocal listed
         if time.monotonic() - listed > RELIST_S:  # first, and again while there is no answer
-            store.append(CHECKINS, token + "\n")
+            store.append(CHECKINS, token + "\n")  # type: ignore[attr-defined]  # every store has it; the stubs not
             listed = time.monotonic()
         answer = _read(store, VERDICT + token)
         if answer.startswith(b"refused "):
@@ -221,7 +222,7 @@ class _Admission:
                 if token not in self.answers:
                     self.answers[token] = self._answer(token)
                 if self.answers[token]:  # the first answer, or the same again (a stray write may have erased it)
-                    self.store.set(VERDICT + token, self.answers[token])
+                    self.store.set(VERDICT + token, self.answers[token])  # type: ignore[arg-type]  # as above
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{_missing_from(self.admitted, self.world)} never checked in")
             time.sleep(pause)

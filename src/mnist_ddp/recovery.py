@@ -318,9 +318,10 @@ class Recovery:
             return Path("rank 0's state"), {
                 "model": t.model.state_dict(), "optimizer": t.opt.state_dict(), "progress": vars(t.progress).copy(),
                 "rng": torch.get_rng_state(), "slots": loop.share.slots, "batchnorm_parts": parts,
-                "position": loop.snapshots.position,
+                "position": snapshots.position,
                 "samples": s.samples, "logged": [[done, lr, n] for done, lr, _, n in s.logged],
                 **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {})}
+        snapshots = loop.snapshots
         found = loop.d.from_main(state, checkpoint.pack, checkpoint.unpack)
         assert found is not None
         where, got = found

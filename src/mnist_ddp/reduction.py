@@ -83,7 +83,7 @@ class SlotReduction(Reduction):
     def __init__(self, model: nn.Module, share: Share, rank: int) -> None:
         self.params, self.share, self.rank = list(model.parameters()), share, rank
         self.trains = len(share.parts_of(rank)) > 0  # an idle rank (more ranks than slots) adds no slot of its own
-        self.kept: dict[nn.Parameter, list[torch.Tensor]] = {}  # this step's earlier slots, per parameter
+        self.kept: dict[torch.Tensor, list[torch.Tensor]] = {}  # this step's earlier slots, per parameter
         self.held: Callable[[], Mapping[int, torch.Tensor]] | None = None  # `carry_sets`
         self.width = 0
 
@@ -102,6 +102,7 @@ class SlotReduction(Reduction):
     def keep(self) -> None:
         """Set the micro-batch's gradients apart (no copy), so the next backward starts from none."""
         for p in self.params:
+            assert p.grad is not None  # every parameter takes part in the ConvNet's forward
             self.kept.setdefault(p, []).append(p.grad)
             p.grad = None
 
@@ -121,6 +122,7 @@ class SlotReduction(Reduction):
             if held is not None:
                 self.sets = {j: part[n:].clone() for j, part in enumerate(parts)}
             return ordered_sum([part[:n] for part in parts], out=buffer)
+        assert work is not None  # async_op
         return work.get_future().then(summed)
 
 

@@ -1,6 +1,8 @@
 """What survivors hand each other after re-forming (recovery.py): every part's BatchNorm set, and what they added
 up since the last fold, so that the new world continues the run (docs/design/recovery.md)."""
 
+from collections.abc import Mapping
+
 import torch
 
 from .batches import Share
@@ -9,7 +11,7 @@ from .state import Stretch
 from .steps import PartStats
 
 
-def batchnorm_sets(stats: PartStats, was: Share, d: Dist, known: dict[int, torch.Tensor]) -> torch.Tensor | None:
+def batchnorm_sets(stats: PartStats, was: Share, d: Dist, known: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
     """Every part's BatchNorm set, on every survivor: its holder's (one all-reduce), else `known` (what the
     last reduction carried), else the survivors' mean. None where the new world cuts the step into other parts."""
     if not stats.live or Share(was.slots, d.world_size, was.whole).parts != was.parts:

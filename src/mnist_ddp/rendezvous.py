@@ -40,7 +40,7 @@ def host_store(addr: str, port: int, world_size: int, timeout: timedelta, one_no
         bound = None  # not an address of this machine (a public address in front of it): every interface
     _allow_many_connections()
     try:  # TCPStore takes the bound socket over, and closes it with the store
-        store = dist.TCPStore(ip if bound else addr, bound.getsockname()[1] if bound else port, world_size,
+        store = dist.TCPStore(ip if bound and ip else addr, bound.getsockname()[1] if bound else port, world_size,
                               is_master=True, timeout=timeout, wait_for_workers=False,
                               master_listen_fd=bound.detach() if bound else None)
     except (RuntimeError, OSError) as e:
@@ -105,7 +105,7 @@ def _allow_many_connections() -> None:
 def resolve(addr: str) -> str:
     """`addr` as an IP address; a name that does not resolve is the user's to fix, said at once on every rank."""
     try:
-        return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0])
     except socket.gaierror as e:
         raise UserError(f"the master address {addr!r} is not a host name this machine can resolve ({e}).") from None
 

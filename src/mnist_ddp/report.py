@@ -24,13 +24,15 @@ class Reporter:
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
                  tensorboard: bool = False, mlflow: tracking.Tracking | None = None) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
-        self.mlflow, self.tracker = mlflow, None  # the MLflow run opens in `begin` too
+        self.mlflow = mlflow
+        self.tracker: tracking.MLflowRun | None = None  # the MLflow run opens in `begin` too
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
         self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         self.drawing: Callable[[], None] | None = None  # the last epoch's plots, until `close` draws them
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
-        self.tensorboard, self.tb = tensorboard, None  # the writer opens in `begin`, once the start is known
+        self.tensorboard = tensorboard
+        self.tb: TensorBoard | None = None  # the writer opens in `begin`, once the start is known
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, *, enabled: bool, world_size: int) -> "Reporter":

@@ -65,8 +65,8 @@ class Snapshots:
                 x.copy_(saved)
         t.opt.state.clear()
         t.opt.state.update({p: _copied(s) for p, s in found.optimizer.items()})
-        for group, saved in zip(t.opt.param_groups, found.groups, strict=True):
-            group.update(saved)
+        for group, settings in zip(t.opt.param_groups, found.groups, strict=True):
+            group.update(settings)
         if t.scaler is not None and found.scaler is not None:
             t.scaler.load_state_dict(found.scaler)
         t.progress = replace(found.progress)

@@ -78,7 +78,7 @@ def save(out: Path, t: Training, cfg: TrainConfig, d: Dist, slots: int, batchnor
     d.raise_if_aborted()  # numbers made after NCCL aborted its communicator are no checkpoint
     d.set_phase("saving checkpoint.pt")
     weights = checkpoint.plain_module(t.model).state_dict()
-    contents = {
+    contents: dict[str, Any] = {
         "model": weights,
         "optimizer": t.opt.state_dict(),
         "progress": vars(t.progress).copy(),

@@ -142,7 +142,8 @@ class BucketClock:
 
     def __init__(self, record: Callable[[float, float], None], device: torch.device,
                  event: Callable[[], Any] | None = None) -> None:
-        self.record, self.since = record, {}
+        self.record = record
+        self.since: dict[int, Any] = {}  # bucket -> when it was handed over
         self.event = event or (_cuda_event if device.type == "cuda" else None)  # None: perf_counter
         self.anchor: tuple[float, Any] | None = None
         self.pending: list[tuple[Any, Any]] = []

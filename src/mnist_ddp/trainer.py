@@ -4,8 +4,10 @@ docs/reading-the-code.md walks through an epoch)."""
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -25,6 +27,15 @@ from .steps import PartStats, slot_step, train_step
 from .timeline import StepProfiler
 
 
+class Stepped(NamedTuple):
+    """One optimizer step on this rank: its mean loss over this rank's samples (on the device), this rank's
+    samples, and the whole step's (all ranks')."""
+
+    loss: torch.Tensor
+    here: int
+    samples: int
+
+
 class Trainer:
     """One run, built once: the data's batches, the model, its optimizer; `run` trains it epoch by epoch."""
 
@@ -34,12 +45,13 @@ class Trainer:
         self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        model = ConvNet().to(d.device, memory_format=layout)  # the plain ConvNet: what is evaluated and saved
+        model = ConvNet().to(d.device, memory_format=layout)  # type: ignore[call-overload]  # not in the stubs  # the plain ConvNet: what is evaluated and saved
         opt, self.schedule = schedule.build_optimizer(cfg.recipe, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
-        self.graph, self.graph_loss = None, torch.zeros((), device=d.device)  # the CUDA graph step: `run` decides
+        self.graph: graphstep.GraphStep | None = None  # the CUDA graph step: `run` decides
+        self.graph_loss = torch.zeros((), device=d.device)
         self.snapshots = Snapshots(self.t) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
         self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
@@ -53,7 +65,7 @@ class Trainer:
         ddp.check_sync_bn(cfg.sync_bn, share)
         self.share = share
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
-        how = {"device": d.device, "normalize": r.normalize, "channels_last": self.channels_last}
+        how: dict[str, Any] = {"device": d.device, "normalize": r.normalize, "channels_last": self.channels_last}
         self.train_batches: ShardedBatches | StepBatches = (
             ShardedBatches(train.images, train.labels, r.batch_size, rank=d.rank, world=d.world_size, shuffle=True,
                            seed=cfg.seed, **how) if self.textbook else
@@ -93,6 +105,7 @@ class Trainer:
                     return result
                 continue
             del net  # the old group's DDP wrapper goes before the group (out here: the error's frames hold it)
+            assert self.recovery is not None  # world_change raised the error again without it
             self.recovery.change(self, change)
             net = self._wrap()
         if self.cfg.target_accuracy is not None:
@@ -103,7 +116,7 @@ class Trainer:
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
         g = self.graph  # the graph step's DDP: on its capture stream, the gradients in its flat buffer
         return ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
-                        accumulating=self.share.parts > self.share.world, hook=hook, stream=g and g.stream,
+                        accumulating=self.share.parts > self.share.world, hook=hook, stream=g.stream if g else None,
                         keep_grads=g is not None)
 
     def _epoch(self, net: nn.Module, epoch: int) -> EvalResult:
@@ -133,18 +146,20 @@ class Trainer:
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
         self.stats.train()
-        steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first) if self.graph else batches
+        steps: Iterable[Any] = batches  # the step's kind (`_step`) takes what they hold; the graph, the step's index
+        if self.graph:
+            assert isinstance(batches, ShardedBatches)  # the graph step is the textbook's
+            steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first)
         for batch in self.report.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
-            if self.snapshots:  # --recover: a replacement may join here; the state this step starts from
+            if self.recovery and self.snapshots:  # --recover: a replacement may join here; the state it starts from
                 self.recovery.take_in(self)
                 self._lose_here("step")
                 self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
-            step_loss = self._step(net, batch)
+            step_loss, here, samples = self._step()(net, batch)
             timing.stepped()  # the first step ends the warm-up (timing.py)
-            here, samples = self._samples(batch)
             self.stretch.add(step_loss, here, samples)
             progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
             if self.steps_done % cfg.log_every == 0:  # kept on the device; the next fold adds it up over the ranks
@@ -159,25 +174,34 @@ class Trainer:
         compute.sync(d.device)
         return time.perf_counter() - began
 
-    def _step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> torch.Tensor:
-        """One optimizer step; returns the mean loss over this rank's samples (on the device)."""
-        r = self.cfg.recipe
-        if self.graph:  # `batch`: the step's index in its epoch (graphstep.py)
-            return self.graph_loss.copy_(self.graph.step(batch))  # a loss made on the device (tests/collectives.py)
-        if self.textbook:
-            x, y = batch
-            return train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=r.label_smoothing,
-                              scaler=self.t.scaler)
-        loss_sum = slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
-                             label_smoothing=r.label_smoothing, scaler=self.t.scaler, phase=self.profiler.phase)
-        return loss_sum.div(max(self._samples(batch)[0], 1))  # a rank of --bitwise may train no sample
+    def _step(self) -> Callable[[nn.Module, Any], Stepped]:
+        """The kind of step this run trains, chosen here alone (each takes the batches its kind deals):
+        - the textbook step: each rank one micro-batch of a global batch, DDP's all-reduce mean (`train_step`);
+        - the slot step: --bitwise, --accumulate, --profile, or a world re-formed smaller than the run's slots
+          (`slot_step`: the micro-batches in slot order, the reduction in `reduction.py`);
+        - the CUDA graph: the textbook step captured once and replayed (graphstep.py)."""
+        if self.graph:
+            return self._graph_step
+        return self._textbook_step if self.textbook else self._slot_step
 
-    def _samples(self, batch: tuple[torch.Tensor, torch.Tensor] | Step | int) -> tuple[int, int]:
-        """This rank's samples in the step, and the whole step's (all ranks')."""
-        if self.textbook:
-            here = self.graph.size(batch) if self.graph else len(batch[1])
-            return here, here * self.d.world_size
-        return sum(len(mb.y) for mb in batch.micro_batches), batch.samples
+    def _textbook_step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Stepped:
+        x, y = batch
+        loss = train_step(net, self.t.opt, x, y, amp=self.amp, label_smoothing=self.cfg.recipe.label_smoothing,
+                          scaler=self.t.scaler)
+        return Stepped(loss, len(y), len(y) * self.d.world_size)
+
+    def _slot_step(self, net: nn.Module, batch: Step) -> Stepped:
+        loss_sum = slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
+                             label_smoothing=self.cfg.recipe.label_smoothing, scaler=self.t.scaler,
+                             phase=self.profiler.phase)
+        here = sum(len(mb.y) for mb in batch.micro_batches)
+        return Stepped(loss_sum.div(max(here, 1)), here, batch.samples)  # a rank of --bitwise may train no sample
+
+    def _graph_step(self, net: nn.Module, batch: int) -> Stepped:
+        """`batch`: the step's index in its epoch (graphstep.py)."""
+        assert self.graph is not None
+        here = self.graph.size(batch)  # a loss made on the device (tests/collectives.py)
+        return Stepped(self.graph_loss.copy_(self.graph.step(batch)), here, here * self.d.world_size)
 
     @property
     def step_in_epoch(self) -> int:

@@ -111,7 +111,8 @@ def _train(rank: int, spec: Spec, world_size: int, device: torch.device) -> None
     data = datasets.load(spec.data)
     pil = spec.pipeline == "pil"
     train_set = PerSampleDataset(data.train, pil)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank) if world_size > 1 else None
+    sampler: DistributedSampler | None = (
+        DistributedSampler(train_set, num_replicas=world_size, rank=rank) if world_size > 1 else None)
     pin = device.type == "cuda"
     train_loader = DataLoader(train_set, batch_size=100, shuffle=sampler is None, num_workers=0, pin_memory=pin,
                               sampler=sampler)
