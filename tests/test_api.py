@@ -20,7 +20,7 @@ from PIL import Image
 
 import mnist_ddp
 from conftest import cli_env, tiny
-from mnist_ddp import UserError, api, cli
+from mnist_ddp import UserError, api, checkpoint, cli
 
 COMMANDS = {"train": mnist_ddp.train, "evaluate": mnist_ddp.evaluate, "predict": mnist_ddp.predict}
 SMALL = {"dataset": "synthetic", "train_samples": 400, "test_samples": 100, "epochs": 1}  # a run of seconds
@@ -215,7 +215,10 @@ def test_an_interrupt_gives_back_the_callers_handler(tmp_path: Path) -> None:
         stop.set()
         thread.join()
         signal.signal(signal.SIGINT, previous)
+    # the checkpoint kept is whole, a run's, and as far on as the one the interrupt waited for (or further)
+    kept = checkpoint.load(tmp_path / "run" / "checkpoint.pt")
     assert mnist_ddp.Run.load("run").checkpoint is not None
+    assert kept["progress"]["epoch"] + kept["progress"]["consumed"] > 0
 
 
 def test_inside_torchrun(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def _check_run(out: Path, stdout: str, world: int) -> None:
     row = rows[0]
     assert row.keys() >= REQUIRED
     assert row["world_size"] == world and row["test_count"] == TEST_SAMPLES
-    assert 0 <= row["test_accuracy"] <= 1 and row["test_accuracy"] == row["test_correct"] / TEST_SAMPLES
+    assert 0 <= row["test_correct"] <= TEST_SAMPLES and row["test_accuracy"] == row["test_correct"] / TEST_SAMPLES
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("train_loss", "test_loss", "images_per_second"))
     for line in ("data: synthetic", "epoch 1/1", "final: test accuracy"):  # rank 0 speaks, the others do not
         assert sum(s.startswith(line) for s in stdout.splitlines()) == 1, stdout
