@@ -45,7 +45,8 @@ class Trainer:
         self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        model = ConvNet().to(d.device, memory_format=layout)  # type: ignore[call-overload]  # not in the stubs  # the plain ConvNet: what is evaluated and saved
+        # the plain ConvNet: what is evaluated and saved (memory_format: documented, not in torch's stubs)
+        model = ConvNet().to(d.device, memory_format=layout)  # type: ignore[call-overload]
         opt, self.schedule = schedule.build_optimizer(cfg.recipe, model)
         self.t = state.Training(model, opt, divergence.grad_scaler(d.device, self.amp), Progress())
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
