@@ -339,7 +339,7 @@ CPU_TENSOR_EDITS = [
     ("trainer", "torch.tensor(float(s.seen), device=self.d.device)", "torch.tensor(float(s.seen))"),
     ("trainer", "Stretch(torch.zeros((), device=d.device))", "Stretch(torch.zeros(()))"),
     ("steps", "loss_sum = torch.zeros((), device=device)", "loss_sum = torch.zeros(())"),
-    ("trainer", "step_loss.mul(here),", "torch.tensor(1.0),"),
+    ("trainer", "stepped.loss.mul(stepped.here),", "torch.tensor(1.0),"),
     ("regroup", "totals.new_zeros(totals.shape)", "torch.zeros_like(totals)"),
     ("regroup", "(done, lr, loss, n) for", "(done, lr, torch.tensor(1.0), n) for"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),

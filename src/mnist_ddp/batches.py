@@ -41,9 +41,9 @@ class ShardedBatches:
         n = len(labels)
         # Training: every world-th index of a permutation seeded by seed + epoch, padded to a multiple of the world.
         # Evaluation (`pad=False`): every world-th sample, none repeated, so totals count each sample once.
-        self.sampler: DistributedSampler | range = DistributedSampler(
-            range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed  # type: ignore[arg-type]  # indices
-        ) if pad else range(rank, n, world)
+        self.sampler: DistributedSampler | range = (  # a range of indices serves the sampler as its dataset
+            DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+            if pad else range(rank, n, world))
         self.first = 0
 
     @property

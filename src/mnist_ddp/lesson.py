@@ -91,7 +91,9 @@ def train(local_rank: int, rank: int, world: int, device: torch.device, a: argpa
             if last:
                 opt.step()
                 opt.zero_grad()
-        accuracy = evaluate(model, data.test, rank, world, device)  # FIX: the tutorial never evaluated
+        # FIX: the tutorial never evaluated. Through DDP: its first forward gives every rank rank 0's BatchNorm
+        # statistics (each rank's own moved on in its last step), so all score the model rank 0 saves.
+        accuracy = evaluate(net, data.test, rank, world, device)
         # 5 rank 0: one process prints and saves; the others would only repeat it (and race for the file).
         if rank == 0:
             print(f"epoch {epoch + 1}/{a.epochs}  last batch's loss {loss.item():.4f}  "

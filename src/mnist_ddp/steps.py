@@ -8,12 +8,10 @@ and its weighting and per-part BatchNorm statistics are what a first reading can
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .batches import Share, Step
 from .compute import autocast
@@ -72,7 +70,7 @@ def accumulate(net: nn.Module, step: Step, stats: "PartStats", reduction: Reduct
         # Every backward but the step's last runs under no_sync: it only adds into .grad, and the last one's
         # all-reduce carries the sum (one reduction per step). One process has no DDP, so no no_sync.
         held = i < last and hasattr(net, "no_sync")
-        with cast(DDP, net).no_sync() if held else nullcontext():
+        with net.no_sync() if held else nullcontext():  # type: ignore[operator]  # DDP's, where `held`
             with stats.use(mb.part), autocast(device, amp), phase("forward"):
                 loss = F.cross_entropy(net(mb.x), mb.y, label_smoothing=label_smoothing, reduction="sum")
             with phase("backward"):

@@ -4,7 +4,7 @@ docs/reading-the-code.md walks through an epoch)."""
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -159,13 +159,13 @@ class Trainer:
                 self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
-            step_loss, here, samples = self._step()(net, batch)
+            stepped = self._step(net, batch)
             timing.stepped()  # the first step ends the warm-up (timing.py)
-            self.stretch.add(step_loss, here, samples)
-            progress.consumed = min(n, progress.consumed + samples)  # the padding is not a sample consumed
+            self.stretch.add(stepped.loss, stepped.here, stepped.samples)
+            progress.consumed = min(n, progress.consumed + stepped.samples)  # the padding is not a sample consumed
             if self.steps_done % cfg.log_every == 0:  # kept on the device; the next fold adds it up over the ranks
-                self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"], step_loss.mul(here),
-                                            samples))
+                self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"],
+                                            stepped.loss.mul(stepped.here), stepped.samples))
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
                 self._save()
@@ -175,15 +175,15 @@ class Trainer:
         compute.sync(d.device)
         return time.perf_counter() - began
 
-    def _step(self) -> Callable[[nn.Module, Any], Stepped]:
-        """The kind of step this run trains, chosen here alone (each takes the batches its kind deals):
+    def _step(self, net: nn.Module, batch: Any) -> Stepped:
+        """One optimizer step, of the kind this run trains, chosen here alone (each takes the batches its kind deals):
         - the textbook step: each rank one micro-batch of a global batch, DDP's all-reduce mean (`train_step`);
         - the slot step: --bitwise, --accumulate, --profile, or a world re-formed smaller than the run's slots
           (`slot_step`: the micro-batches in slot order, the reduction in `reduction.py`);
         - the CUDA graph: the textbook step captured once and replayed (graphstep.py)."""
         if self.graph:
-            return self._graph_step
-        return self._textbook_step if self.textbook else self._slot_step
+            return self._graph_step(net, batch)
+        return self._textbook_step(net, batch) if self.textbook else self._slot_step(net, batch)
 
     def _textbook_step(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Stepped:
         x, y = batch
