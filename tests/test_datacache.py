@@ -63,7 +63,8 @@ def test_two_processes_share_one_cached_copy_and_train_as_without_it(tmp_path: P
     # so the same weights prove that both ranks of the cached run trained on exactly those bytes.
     uncached = _in_read_only_folder(tmp_path / "read-only", [*args, "--out", str(tmp_path / "uncached")], ONE_THREAD)
     assert uncached.returncode == 0, uncached.stderr
-    assert "by each process: data/synthetic/v1 cannot be written (Read-only file system)" in _data_line(uncached.stdout)
+    unwritable = f"data/synthetic/v{synthetic.VERSION} cannot be written (Read-only file system)"
+    assert f"by each process: {unwritable}" in _data_line(uncached.stdout)
     assert not list((tmp_path / "read-only").iterdir())
     mine, theirs = (checkpoint.load(tmp_path / run / "checkpoint.pt")["model"] for run in ("cached", "uncached"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

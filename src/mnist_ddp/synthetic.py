@@ -1,6 +1,8 @@
 """MNIST-shaped handwritten-looking digits, generated from a seed in pure torch: the dataset that always works (no
 network, no files). A digit is a stroke template, jittered, warped, drawn with a random pen and noised, varied
-enough that the tutorial CNN learns it well but not perfectly: a sanity check that is not a tautology."""
+enough that the tutorial CNN learns it well but not perfectly: a sanity check that is not a tautology. Every CPU
+draws the same bytes: only uniform draws and correctly rounded arithmetic, no torch.randn, sin or matmul, whose
+kernels differ between AVX2 and AVX-512 (docs/data.md)."""
 
 import itertools
 import math
@@ -8,15 +10,28 @@ import math
 import torch
 
 Polyline = list[tuple[float, float]]
-VERSION = 1  # raise it with any change to the bytes `generate` makes: it names the cached copies (datasets.py)
+VERSION = 2  # raise it with any change to the bytes `generate` makes: it names the cached copies (datasets.py)
+
+
+def _sin_pi(x: torch.Tensor) -> torch.Tensor:
+    """sin(pi x) to ~1e-7, by its Taylor polynomial on x brought into [-1/2, 1/2]: the same bytes on every CPU."""
+    r = x - 2 * ((x + 1) / 2).floor()  # sin(pi x) = sin(pi r), r in [-1, 1)
+    r = torch.where(r > 0.5, 1 - r, torch.where(r < -0.5, -1 - r, r))  # sin(pi (1 - r)) = sin(pi r)
+    r2 = r * r
+    odd = -0.59926453 + r2 * (0.08214589 - r2 * 0.00737043)  # pi^(2k+1) / (2k+1)!, signs alternating
+    return r * (3.14159265 + r2 * (-5.16771278 + r2 * (2.55016404 + r2 * odd)))
+
+
+def _bell(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Draws of mean 0 and standard deviation 1, bell-shaped (the difference of two uniforms, scaled)."""
+    u = torch.rand(2, *shape, generator=g)
+    return (u[0] - u[1]) * math.sqrt(6)
 
 
 def _arc(cx: float, cy: float, rx: float, ry: float, start: float, end: float, n: int = 8) -> Polyline:
     """Points on an elliptical arc; angles in degrees, 0 = right, 90 = down (image axes)."""
-    return [
-        (cx + rx * math.cos(math.radians(a)), cy + ry * math.sin(math.radians(a)))
-        for a in (start + (end - start) * i / n for i in range(n + 1))
-    ]
+    turn = (start + (end - start) * torch.arange(n + 1, dtype=torch.float64) / n) / 180
+    return list(zip((cx + rx * _sin_pi(turn + 0.5)).tolist(), (cy + ry * _sin_pi(turn)).tolist(), strict=True))
 
 
 # Strokes in a unit box, x to the right and y downwards, like image coordinates.
@@ -103,19 +118,20 @@ def generate(n: int, seed: int, chunk: int = 2048) -> tuple[torch.Tensor, torch.
         seg = templates[lab]
         # A smooth random warp bends strokes without breaking them apart.
         freq, phase = 2 + 3 * torch.rand(2, m, 1, 1, 2, generator=g)
-        seg = seg + 0.06 * torch.sin(freq * seg.flip(-1) * math.pi + phase * math.pi)
+        seg = seg + 0.06 * _sin_pi(freq * seg.flip(-1) + phase)
         # Random affine: rotation, anisotropic scale, shear, translation, into a 20-px box.
-        angle = torch.randn(m, generator=g) * 0.22
-        sx, sy = (0.75 + 0.3 * torch.rand(2, m, generator=g)) * 20
-        shear = torch.randn(m, generator=g) * 0.25
-        cos, sin = angle.cos(), angle.sin()
-        mat = torch.stack([torch.stack([cos * sx, (shear * cos - sin) * sy], -1),
-                           torch.stack([sin * sx, (shear * sin + cos) * sy], -1)], -2)  # (m, 2, 2)
-        shift = 14 + 2.0 * torch.randn(m, 2, generator=g)
-        pix = torch.einsum("bij,bsej->bsei", mat, seg - 0.5) + shift[:, None, None, :]
+        turn = _bell(g, m, 1, 1) * (0.22 / math.pi)  # the angle in half-turns
+        sx, sy = (0.75 + 0.3 * torch.rand(2, m, 1, 1, generator=g)) * 20
+        shear = _bell(g, m, 1, 1) * 0.25
+        cos, sin = _sin_pi(turn + 0.5), _sin_pi(turn)
+        x, y = (seg - 0.5).unbind(-1)  # (m, S, 2) each: the matrix product by hand, in one order on every CPU
+        shift = 14 + 2.0 * _bell(g, 2, m, 1, 1)
+        pix = torch.stack([cos * sx * x + (shear * cos - sin) * sy * y + shift[0],
+                           sin * sx * x + (shear * sin + cos) * sy * y + shift[1]], -1)
         width = 0.8 + 1.4 * torch.rand(m, generator=g)
         ink = _render(pix, masks[lab], width)
         ink.mul_(0.6 + 0.4 * torch.rand(m, 1, 1, generator=g))  # in place: the same numbers, no new 6 MB tensors
-        ink.add_(0.12 * torch.rand(m, 1, 1, generator=g) * torch.randn(m, 28, 28, generator=g))
+        spread = 0.12 * math.sqrt(12) * torch.rand(m, 1, 1, generator=g)  # uniform noise of deviation 0..0.12
+        ink.add_(torch.rand(m, 28, 28, generator=g).sub_(0.5).mul_(spread))
         images[lo : lo + m] = ink.clamp_(0, 1).mul_(255).round_()
     return images, labels
