@@ -128,6 +128,9 @@ def test_predict_png_light_background_and_other_size(run: Path, digits: tuple[to
 
 def test_bare_and_prefixed_state_dicts_load(run: Path, digits: tuple[torch.Tensor, torch.Tensor], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The tutorial's bare state_dict and a DDP model's `module.`-prefixed one give the answer the checkpoint's
+    weights give, computed here with a plain ConvNet: a file with no recorded settings is read as the tutorial
+    trains, pixels / 255 with no normalisation; both evaluate to the same count and loss."""
     weights = checkpoint.load(run / "checkpoint.pt")["model"]
     plain, prefixed = tmp_path / "tutorial.pt", tmp_path / "ddp.pt"
     model = ConvNet()
@@ -136,15 +139,17 @@ def test_bare_and_prefixed_state_dicts_load(run: Path, digits: tuple[torch.Tenso
     torch.save({f"module.{k}": v for k, v in weights.items()}, prefixed)  # a DDP model's state_dict
     image = tmp_path / "d.png"
     _gray(digits[0][0]).save(image)
-    answers = []
+    with torch.inference_mode():
+        p, c = model.eval()(digits[0][:1, None].float() / 255).softmax(1)[0].max(0)
+    answers, scores = [], []
     for ckpt in (plain, prefixed):
         code, out, err = _main(capsys, "predict", str(ckpt), str(image))
         assert code == 0, err
-        answers.append(out.split(": ", 1)[1])
-        assert _predicted(out) == _expected(ckpt, digits[0][:1]).tolist()
+        answers.append(out.split(": ", 1)[1].strip())
         code, out, err = _main(capsys, "evaluate", str(ckpt), "--dataset", "synthetic", "--test-samples", "50")
-        assert code == 0 and "(" in out and "/50)" in out, err
-    assert answers[0] == answers[1]
+        assert code == 0 and "/50) on synthetic" in out, err
+        scores.append(out)  # accuracy, correct answers and loss
+    assert answers == [f"{c.item()} ({100 * p.item():.1f}%)"] * 2 and scores[0] == scores[1], (answers, scores)
 
 
 @pytest.mark.parametrize("case", ["labels file", "32x32 images", "missing file", "folder without images",
