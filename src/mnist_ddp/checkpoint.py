@@ -114,7 +114,8 @@ def _safe_load(data: bytes, name: str | Path) -> Any:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        wants = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(e))  # the weights-only unpickler names the import
+        # The weights-only unpickler names the import: "GLOBAL os.system", or "Unsupported global: GLOBAL getattr".
+        wants = re.search(r"(?:GLOBAL|global:?) (?!GLOBAL )([\w.]+)", str(e))
         if wants:
             raise UserError(f"{name}: refused, loading it would import {inputfile.shown(wants.group(1))} and could "
                             f"run code; only checkpoints of tensors and plain values are accepted.") from e
@@ -169,7 +170,8 @@ def _bounded(obj: Any, name: str | Path) -> None:
             todo += o
         elif isinstance(o, torch.Tensor):
             if o.layout != torch.strided or o.is_quantized or o.is_nested:
-                raise UserError(f"{name}: holds a {o.layout} tensor; a checkpoint holds dense tensors only.")
+                kind = "quantized" if o.is_quantized else "nested" if o.is_nested else str(o.layout)
+                raise UserError(f"{name}: holds a {kind} tensor; a checkpoint holds plain dense tensors only.")
             if o.numel() and o.numel() * o.element_size() > o.untyped_storage().nbytes():
                 raise UserError(f"{name}: holds a tensor of shape {tuple(o.shape)} that repeats the "
                                 f"{o.untyped_storage().nbytes():,} bytes it stores; a checkpoint's tensors do not.")
