@@ -214,12 +214,11 @@ def _two_nodes(tmp_path: Path, env: dict[str, str]) -> Callable[..., subprocess.
     return node
 
 
-def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
+def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path, bitwise: dict[str, tuple[Path, str]]) -> None:
     """-n 2 -g 1 on loopback: node 1's rank is lost at step 7 and node 1 is started again with the same command;
     it checks in, joins where step 41 begins (recovery.JOIN_VAR holds the run there for it), gets rank 0's state
     as bytes, and the run ends with the undisturbed run's bytes, at world 1 in epoch 1 and 2 in epoch 2."""
-    calm, other = tmp_path / "calm", tmp_path / "other"
-    _train(calm, *ARGS, "--bitwise", "-g", "2")
+    calm, other = bitwise["2"][0], tmp_path / "other"
     _train(other, *ARGS, "--bitwise")  # the control: one process, M = 1, another run
     env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
     node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
@@ -244,13 +243,13 @@ def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("again", ["40", "50"])
-def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss(tmp_path: Path, again: str) -> None:
+def test_another_runs_replacement_is_refused_and_a_regrown_world_survives_a_loss(
+        tmp_path: Path, bitwise: dict[str, tuple[Path, str]], again: str) -> None:
     """Node 1 is lost at step 7; a replacement started with another --lr is refused (one line, exit 2) and the run
     goes on; the right replacement joins where step 41 begins and is lost in its turn where step `again` + 1
     begins (its first step, or later): node 0 finishes alone (a third generation) with the undisturbed run's
     bytes."""
-    calm = tmp_path / "calm"
-    _train(calm, *ARGS, "--bitwise", "-g", "2")
+    calm = bitwise["2"][0]
     env, mark = marked_env({**ONE_THREAD, "MNIST_DDP_SECRET": "a shared secret"})
     node, out = _two_nodes(tmp_path, env), tmp_path / "node0"
     with reaped(mark):
@@ -430,7 +429,9 @@ EDGE_ARGS = [*tiny(470, 100, epochs=2), *ARGS[ARGS.index("--batch-size"):], "--b
 EDGE_STEP = 20  # the steps of epoch 1: every point below is passed after it
 EDGES = [(point, rank, sig) for point in lossplan.POINTS for rank in (0, 1) for sig in ("SIGKILL", "SIGTERM")]
 # CI: each point once, rank 0 and another, SIGKILL and SIGTERM in turn; EDGES=all for all of them.
-EDGES_RUN = EDGES if os.environ.get("EDGES") == "all" else [e for i, e in enumerate(EDGES) if i % 4 == i // 4 % 4]
+EDGES_RUN = EDGES if os.environ.get("EDGES") == "all" else [
+    ("step", 0, "SIGKILL"), ("fold", 0, "SIGTERM"), ("folded", 0, "SIGTERM"), ("evaluation", 1, "SIGKILL"),
+    ("save", 1, "SIGTERM"), ("saved", 0, "SIGKILL")]
 
 
 def _steps(out: Path) -> list[tuple[int, float]]:
@@ -449,7 +450,8 @@ def edge_calm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_rank_lost_at_an_epochs_end_costs_nothing(edge_calm: Path, tmp_path: Path, point: str, rank: int,
                                                     sig: str) -> None:
     """A rank lost (SIGKILL, or SIGTERM, which unwinds it) at each point between epoch 1's last step and epoch 2's
-    first — the fold, the evaluation, rank 0's saves, the all-reduce after them, the next step — where the epoch's
+    first — the fold, its all-reduce done before rank 0 writes the steps, the evaluation, rank 0's saves, the
+    all-reduce after them, the next step — where the epoch's
     last step is partial: the survivors go back and finish with the undisturbed run's steps, record and bytes."""
     out = tmp_path / "out"
     log = _train(out, *EDGE_ARGS, lose=f"{rank}:{EDGE_STEP}:{point}:{sig}")
@@ -460,3 +462,14 @@ def test_a_rank_lost_at_an_epochs_end_costs_nothing(edge_calm: Path, tmp_path: P
     _same_record(out, edge_calm)
     assert progress(out) == progress(edge_calm)
     assert checkpoint.digest(_model(out)) == checkpoint.digest(_model(edge_calm))
+
+
+def test_rank_0_lost_between_a_fold_and_writing_its_steps_loses_none(tmp_path: Path) -> None:
+    """--checkpoint-every folds inside an epoch: rank 0 lost once the fold's all-reduce is done, before it wrote the
+    steps it added up. The survivor holds the same sums and writes them: steps.jsonl as undisturbed, step by step."""
+    args = [*ARGS, "--bitwise", "-g", "2", "--recover", "--checkpoint-every", "5", "--log-every", "1"]
+    calm, out = tmp_path / "calm", tmp_path / "out"
+    _train(calm, *args)
+    log = _train(out, *args, lose="0:15:folded:SIGTERM")
+    assert len(_recover_lines(log)) == 1 and "lost at epoch 1, step 16" in log, log
+    assert _steps(out) == _steps(calm)

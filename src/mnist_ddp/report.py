@@ -58,10 +58,11 @@ class Reporter:
     @timing.charged("outputs")
     def steps(self, points: list[dict[str, float]]) -> None:
         """Logged steps (samples, epoch, train_loss averaged over the ranks, lr), delivered at each fold: to
-        steps.jsonl (for curves.png) and TensorBoard, at x = samples."""
+        steps.jsonl (for curves.png) and TensorBoard, at x = samples. Every rank keeps them (all have the sums): a
+        rank that takes over from a lost rank 0 writes what it could not."""
+        self.logged += points
         if not (self.enabled and points):
             return
-        self.logged += points
         _write_lines(self.steps_path, [json.dumps(p) for p in self.logged])
         logged = [(int(p["samples"]), {"train/loss": p["train_loss"], "train/lr": p["lr"]}) for p in points]
         if self.tb is not None:
@@ -107,7 +108,15 @@ class Reporter:
         self.out.mkdir(parents=True, exist_ok=True)
         new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard, self.mlflow)
         new.begin(samples)
+        new.add_steps(self.logged, samples)
         return new
+
+    def add_steps(self, held: list[dict[str, float]], samples: int) -> None:
+        """The steps up to `samples` that this process kept and the file lacks (its rank 0 was lost before it wrote
+        them), in order."""
+        written = {point["samples"] for point in self.logged}
+        self.logged = sorted([*self.logged, *(point for point in held if point["samples"] <= samples
+                                              and point["samples"] not in written)], key=lambda point: point["samples"])
 
     def forget_steps_after(self, samples: int) -> None:
         """Drop logged steps after `samples` training samples: they are trained again."""

@@ -229,6 +229,7 @@ class Trainer:
         self.stats.average(self.steps_done)
         totals = self.d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=self.d.device),
                                              nonfinite(self.t.model), *(loss for _, _, loss, _ in s.logged)]))
+        self._lose_here("folded")
         p, n = self.t.progress, len(self.data.train.labels)
         p.loss_sum += float(totals[0])
         p.seen += int(totals[1])
