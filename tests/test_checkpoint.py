@@ -14,6 +14,7 @@ import torch
 from mnist_ddp import checkpoint
 from mnist_ddp.errors import UserError
 from mnist_ddp.model import ConvNet
+from test_integrity import _flip, _tensor_span
 
 
 def _payload(seed: int = 0) -> dict:
@@ -22,14 +23,9 @@ def _payload(seed: int = 0) -> dict:
 
 
 def _flip_a_weight(path: Path) -> None:
-    """Change one byte of a tensor's stored bytes: the zip and the pickle still read, only the digest can tell."""
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
-        member = next(m for m in z.infolist() if "/data/" in m.filename and m.file_size > 8)
-    name_length, extra_length = struct.unpack_from("<HH", data, member.header_offset + 26)  # the local header's
-    start = member.header_offset + 30 + name_length + extra_length
-    data[start + 4] ^= 0x01
-    path.write_bytes(bytes(data))
+    """Invert bytes of a tensor's stored bytes: the zip and the pickle still read, only the digest can tell."""
+    blob = path.read_bytes()
+    path.write_bytes(_flip(blob, _tensor_span(blob, torch.load(path, weights_only=True)["model"]["fc.weight"])))
 
 
 def _saved(path: Path, payload: dict) -> bytes:
