@@ -383,6 +383,24 @@ def test_a_rank_frozen_before_it_joined_ends_the_job_in_one_line(tmp_path: Path)
     assert rc == 2 and "could not join the 1 other process" in said and "Traceback" not in said, said
 
 
+@pytest.mark.parametrize("lose", ["0:10:SIGTERM,1:20:SIGSTOP", "0:10:SIGSTOP,1:10:SIGSTOP"])
+def test_a_job_whose_last_running_ranks_froze_for_good_ends_in_one_line(tmp_path: Path, lose: str) -> None:
+    """Under --recover, rank 0 lost and the survivor then frozen for good (SIGSTOP), or both frozen at once: no
+    rank is left to give up on them, so the launcher does, --timeout after every child it waits on stopped. One
+    line that names them, exit 1, no process left behind."""
+    env, mark = marked_env({lossplan.LOSE_VAR: lose})
+    out, log = tmp_path / "out", tmp_path / "log"
+    with reaped(mark):
+        run = start(["mnist_ddp", "train", *ARGS, "-g", "2", "--recover", "--timeout", "5", "--out", str(out)], env,
+                    tmp_path, log)
+        rc, said = finish(run, log, RUN_TIMEOUT)
+    frozen = [int(r) for r, *rest in (item.split(":") for item in lose.split(",")) if "SIGSTOP" in rest]
+    named = re.search(r"ranks? ([\d, ()pid]+) stopped answering: stopped \(SIGSTOP, or a debugger\) for --timeout 5 s",
+                      said)
+    assert rc == 1 and named and "Traceback" not in said, said
+    assert [int(r) for r in re.findall(r"(\d+) \(pid", named[1])] == frozen, said
+
+
 def _lost_after_the_last_step(d: Dist, said: str) -> None:
     """Rank 1 leaves for good once both have passed a last collective; rank 0, done too, leaves the group as a
     finished rank does, and writes what that raised to `said`."""

@@ -52,6 +52,12 @@ def _started(pid: int) -> str | None:
     return f"{fields[0]} {fields[19]}"
 
 
+def stopped(pid: int) -> bool:
+    """Whether /proc says `pid` is stopped: SIGSTOP, or a debugger (False where there is no /proc)."""
+    now = _started(pid)
+    return now is not None and now.split()[0] in ("T", "t")
+
+
 def _fate(beat: dict) -> str:
     """What /proc says about the process that published `beat` (it ran on this machine)."""
     now = _started(beat["pid"])

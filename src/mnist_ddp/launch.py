@@ -60,6 +60,7 @@ from .membership import Credentials
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)
+LOOK_S = 1.0  # how often a waiting launcher looks whether its children are stopped (Frozen)
 
 
 @contextmanager
@@ -358,22 +359,53 @@ class Child(Protocol):
     @property
     def exitcode(self) -> int | None: ...
 
+    @property
+    def pid(self) -> int | None: ...
 
-def await_every_child(processes: list[Child], failed: Callable[[], bool] = lambda: False) -> bool:
+
+class Frozen:
+    """Children that all stay stopped (SIGSTOP, a debugger) for longer than --timeout: their peers gave up on them
+    by then, and with no child left running, nobody else would, so the launcher ends the job (docs/faults.md)."""
+
+    def __init__(self, processes: "list[Child]", first_rank: int, timeout: float) -> None:
+        self.processes, self.first_rank, self.timeout = processes, first_rank, timeout
+        self.since: float | None = None  # when every running child was first seen stopped
+
+    def check(self) -> None:
+        """Raises PeerFailure, after killing them, once every running child has been stopped for --timeout."""
+        running = {self.first_rank + i: p.pid for i, p in enumerate(self.processes) if p.exitcode is None and p.pid}
+        if not running or not all(heartbeat.stopped(pid) for pid in running.values()):
+            self.since = None
+            return
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < self.timeout:
+            return
+        for pid in running.values():
+            os.kill(pid, signal.SIGKILL)
+        ranks = ", ".join(f"{rank} (pid {pid})" for rank, pid in running.items())
+        raise PeerFailure(f"rank{'s' * (len(running) > 1)} {ranks} stopped answering: stopped (SIGSTOP, or a "
+                          f"debugger) for --timeout {self.timeout:g} s with no other process of this launcher "
+                          f"running; killed. Run again with --resume to continue from the last checkpoint.")
+
+
+def await_every_child(processes: list[Child], failed: Callable[[], bool] = lambda: False,
+                      frozen: Callable[[], None] = lambda: None) -> bool:
     """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended, or, once
     one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it), or until
     one ended with a failure nobody goes on from (`failed`, ErrorPipe.failed: the caller stops the rest); whether
-    some finished the run (else the first failure is the job's). Each wait is on the children it saw running."""
+    some finished the run (else the first failure is the job's). Each wait is on the children it saw running, and
+    `frozen` (Frozen.check) is called every LOOK_S."""
     finished = None  # when a child was first seen to have finished the run
     while running := [p.sentinel for p in processes if p.exitcode is None]:
         if any(p.exitcode not in (None, 0) for p in processes) and failed():
             return False
         if finished is None and any(p.exitcode == 0 for p in processes):
             finished = time.monotonic()
-        left = None if finished is None else finished + SETTLE_S - time.monotonic()
-        if left is not None and left <= 0:
+        left = LOOK_S if finished is None else finished + SETTLE_S - time.monotonic()
+        if left <= 0:
             break
-        multiprocessing.connection.wait(running, left)
+        multiprocessing.connection.wait(running, min(left, LOOK_S))
+        frozen()
     return any(p.exitcode == 0 for p in processes)
 
 
@@ -401,14 +433,16 @@ def spawn(cfg: TrainConfig, began: float) -> int:
                                                       standby and standby.where, began),
                                       nprocs=cfg.gpus, join=False, start_method="forkserver")
         workers = forkserver.Workers([p.pid for p in children.processes])
+        frozen = Frozen(children.processes, cfg.node_rank * cfg.gpus, cfg.timeout)
         try:
             aborted = ""  # who the ranks that SIGABRT ended were waiting for
             # Returns early when one child fails: the others get SETTLE_S to end by themselves (they lost contact
             # too, and are naming who hangs), then SIGTERM, then after SETTLE_S more (a frozen one) SIGKILL.
             while True:
                 if not cfg.recover:
-                    multiprocessing.connection.wait(list(children.sentinels))
-                elif await_every_child(children.processes, reports.failed):  # a lost child: the others finished
+                    while not multiprocessing.connection.wait(list(children.sentinels), LOOK_S):
+                        frozen.check()
+                elif await_every_child(children.processes, reports.failed, frozen.check):  # the others finished
                     break
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)
