@@ -12,7 +12,20 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, schedule, state, summary, timing
+from . import (
+    compute,
+    datasets,
+    ddp,
+    divergence,
+    graphstep,
+    recovery,
+    reduction,
+    saving,
+    schedule,
+    state,
+    summary,
+    timing,
+)
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .config import TrainConfig
 from .distributed import Dist
@@ -251,14 +264,14 @@ class Trainer:
     def _save(self, best: EvalResult | None = None) -> None:
         """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
         if self.d.is_main:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
-            state.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
+            saving.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
                        self.data.classes)
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""
-        resumed = state.resume(Path(self.cfg.out) / "checkpoint.pt", self.t, self.cfg, self.d,
+        resumed = saving.resume(Path(self.cfg.out) / "checkpoint.pt", self.t, self.cfg, self.d,
                                len(self.data.train.labels), self.report.say)
-        if resumed is None:  # none yet: the run starts from scratch (state.resume said so)
+        if resumed is None:  # none yet: the run starts from scratch (saving.resume said so)
             return
         self.report.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
         self._deal(resumed.share, resumed.batchnorm_parts)
