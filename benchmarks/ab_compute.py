@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from mnist_ddp import distributed, schedule
 from mnist_ddp.batches import ShardedBatches
+from mnist_ddp.common.config import RECIPES
 from mnist_ddp.compute import autocast
-from mnist_ddp.config import RECIPES
 from mnist_ddp.model import ConvNet
 
 

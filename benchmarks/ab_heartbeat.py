@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from mnist_ddp import compute, datasets, ddp, distributed, identity, rendezvous, schedule
 from mnist_ddp.batches import ShardedBatches
+from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.compute import autocast
-from mnist_ddp.config import DataConfig, TrainConfig
 from mnist_ddp.heartbeat import Heartbeat
 from mnist_ddp.model import ConvNet
 

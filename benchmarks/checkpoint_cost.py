@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import atomic, checkpoint, schedule, state
-from mnist_ddp.config import TrainConfig
+from mnist_ddp import checkpoint, schedule, state
+from mnist_ddp.common import atomic
+from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.model import ConvNet
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mnist_ddp import checkpoint, identity
-from mnist_ddp.errors import UserError
+from mnist_ddp.common.errors import UserError
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 SGD = ["--dataset", "synthetic", "--test-samples", "500", "--batch-size", "25", "--optimizer", "sgd", "--lr", "0.05",

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from mnist_ddp import compute, datasets, ddp, distributed, identity, reduction, rendezvous, schedule, timeline
 from mnist_ddp.batches import ShardedBatches
+from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.compute import autocast
-from mnist_ddp.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.model import ConvNet
 
 PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")

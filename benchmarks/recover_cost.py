@@ -18,7 +18,7 @@ import torch
 
 from mnist_ddp import schedule, state
 from mnist_ddp.batches import Share
-from mnist_ddp.config import TrainConfig
+from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.model import ConvNet
 from mnist_ddp.snapshot import Snapshots
 from mnist_ddp.steps import PartStats

@@ -721,7 +721,7 @@ def _tail(said: list[str]) -> str:
 
 def _source_digest() -> str:
     h = hashlib.sha256()
-    for path in [*sorted((REPO / "src" / "mnist_ddp").glob("*.py")), Path(__file__)]:
+    for path in [*sorted((REPO / "src" / "mnist_ddp").rglob("*.py")), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

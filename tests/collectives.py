@@ -341,4 +341,4 @@ def off_device_sums(src: Source) -> list[str]:
 
 
 def package(root: Path) -> Source:
-    return Source({p.stem: p.read_text() for p in sorted(root.glob("*.py"))})
+    return Source({p.stem: p.read_text() for p in sorted(root.rglob("*.py")) if p.stem != "__init__"})

@@ -130,7 +130,7 @@ def _serve() -> None:
     """The server's loop: one JSON case a line in, one JSON outcome a line out."""
     import torch  # noqa: F401  (imported once, here, for every case)
 
-    from mnist_ddp import checkpoint, cli, infer, launch, model_file  # noqa: F401
+    from mnist_ddp import cli
 
     def child(case: dict) -> int:
         Path(case["err"] + ".rss").write_text(str(_status("VmRSS")))  # what it starts with: pages it shares

@@ -7,7 +7,7 @@ import torch
 
 from mnist_ddp import compute
 from mnist_ddp.batches import MEAN, STD, ShardedBatches, Share, StepBatches
-from mnist_ddp.config import RECIPES
+from mnist_ddp.common.config import RECIPES
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mnist_ddp import checkpoint
-from mnist_ddp.errors import UserError
+from mnist_ddp.common.errors import UserError
 from mnist_ddp.model import ConvNet
 from test_integrity import _flip, _tensor_span
 

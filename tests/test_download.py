@@ -19,9 +19,9 @@ import torch
 from conftest import cli_env, run_cli
 from datafiles import ONE_THREAD, make_splits, md5s, source_for, write_files
 from mnist_ddp import datasets
-from mnist_ddp.config import DataConfig
+from mnist_ddp.common.config import DataConfig
+from mnist_ddp.common.errors import UserError
 from mnist_ddp.download import DownloadError, fetch
-from mnist_ddp.errors import UserError
 
 HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
 
@@ -188,7 +188,7 @@ def test_fetch_keeps_the_old_file_on_failure(tmp_path: Path, server: Server) -> 
 _CHILD = """
 import sys
 from mnist_ddp import datasets
-from mnist_ddp.config import DataConfig
+from mnist_ddp.common.config import DataConfig
 datasets.SOURCES["mnist"] = datasets.Source(**eval(sys.argv[1]))
 data = datasets.load(DataConfig("mnist", mirrors=(sys.argv[2],), download_timeout=float(sys.argv[3])))
 print(int(data.train.labels.sum()), int(data.test.labels.sum()), data.where)

@@ -29,9 +29,9 @@ import collectives
 from conftest import REPO, cli_env, progress, tiny
 from mnist_ddp import cli, compute, datasets, ddp, distributed, divergence, forkserver, graphstep, trainer
 from mnist_ddp.batches import Share
-from mnist_ddp.config import DataConfig, TrainConfig
+from mnist_ddp.common.config import DataConfig, TrainConfig
+from mnist_ddp.common.errors import UserError
 from mnist_ddp.distributed import Dist
-from mnist_ddp.errors import UserError
 from mnist_ddp.identity import without_launcher_vars
 from mnist_ddp.report import Reporter
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
@@ -126,7 +126,7 @@ def test_every_cuda_device_is_built_with_its_index() -> None:
     ("Expected a torch.device with a specified index"). So in src/ and benchmarks/ a torch.device is built from
     a literal other than "cuda", with an index, or by pick_device (whose own fallback is never "cuda")."""
     wrong = []
-    for path in [*PACKAGE.glob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
         tree = ast.parse(path.read_text())
         inside_pick = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "pick_device"
                        for n in ast.walk(f)}
@@ -351,7 +351,7 @@ CPU_TENSOR_EDITS = [
 
 @pytest.mark.parametrize(("module", "before", "after"), CPU_TENSOR_EDITS)
 def test_the_device_rule_finds_a_cpu_tensor_on_its_way_to_a_collective(module: str, before: str, after: str) -> None:
-    files = {p.stem: p.read_text() for p in PACKAGE.glob("*.py")}
+    files = {p.stem: p.read_text() for p in PACKAGE.rglob("*.py")}
     assert before in files[module]
     files[module] = files[module].replace(before, after)
     found = collectives.off_device_sums(collectives.Source(files))
@@ -359,7 +359,7 @@ def test_the_device_rule_finds_a_cpu_tensor_on_its_way_to_a_collective(module: s
 
 
 def test_a_collective_outside_dist_is_found() -> None:
-    files = {p.stem: p.read_text() for p in PACKAGE.glob("*.py")}
+    files = {p.stem: p.read_text() for p in PACKAGE.rglob("*.py")}
     files["evaluation"] += "\n\ndef also(t):\n    dist.all_reduce(t)\n"
     found = collectives.misplaced_collectives(collectives.Source(files))
     assert len(found) == 1 and found[0].startswith("evaluation.py:") and "go through Dist" in found[0], found

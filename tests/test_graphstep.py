@@ -20,7 +20,7 @@ from conftest import progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import ddp, distributed, flatopt, schedule
 from mnist_ddp.batches import DeviceData, ShardedBatches
-from mnist_ddp.config import TrainConfig, recipe
+from mnist_ddp.common.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
 from mnist_ddp.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
 from mnist_ddp.model import ConvNet

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fuzzing import make_fifo, make_socket
-from mnist_ddp import inputfile
-from mnist_ddp.errors import UserError
+from mnist_ddp.common import inputfile
+from mnist_ddp.common.errors import UserError
 
 
 def test_a_regular_file_is_read_whole_up_to_its_bound(tmp_path: Path) -> None:

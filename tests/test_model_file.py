@@ -15,7 +15,7 @@ from conftest import TRAINED_TEST_SAMPLES, metrics
 from datafiles import one_thread, write_idx
 from mnist_ddp import checkpoint, cli, model_file, synthetic
 from mnist_ddp.batches import MEAN, STD
-from mnist_ddp.results import Run
+from mnist_ddp.common.results import Run
 from test_untrusted import _torch_file
 
 pytest.importorskip("safetensors")  # the dev extra installs it

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from mnist_ddp.errors import UserError
+from mnist_ddp.common.errors import UserError
 from mnist_ddp.identity import DEFAULT_PORT, job_port, launcher_pid, without_launcher_vars
 from mnist_ddp.identity import from_env as identity_from_env
 

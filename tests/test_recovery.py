@@ -27,9 +27,9 @@ import torch
 from conftest import metrics, progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, launch, lossplan, recovery
-from mnist_ddp.config import TrainConfig
+from mnist_ddp.common.config import TrainConfig
+from mnist_ddp.common.errors import UserError
 from mnist_ddp.distributed import Dist, PeerFailure
-from mnist_ddp.errors import UserError
 from mnist_ddp.identity import Identity
 from netns import netns_pair
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for

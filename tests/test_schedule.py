@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mnist_ddp import compute, schedule
-from mnist_ddp.config import recipe
+from mnist_ddp.common.config import recipe
 from mnist_ddp.model import ConvNet
 
 PEAK = 3e-3

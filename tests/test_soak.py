@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from mnist_ddp import identity, launch, outdir, rendezvous
-from mnist_ddp.config import DataConfig, TrainConfig, recipe
+from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from procfs import children, listening_inodes, needs_proc, socket_inodes
 
 RUNS = 20

@@ -12,13 +12,15 @@ BASELINE = {"tutorial", "lesson"}  # the tutorial's pipeline (bench's baseline) 
 
 def _imports() -> dict[str, set[str]]:
     """module -> the package's modules it imports (at any depth of the file)."""
-    graph = {}
-    for path in PACKAGE.glob("*.py"):
+    graph: dict[str, set[str]] = {}
+    modules = {p.stem for p in PACKAGE.rglob("*.py")}
+    for path in PACKAGE.rglob("*.py"):
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found |= {node.module} if node.module else {a.name for a in node.names}
-        graph[path.stem] = {m.split(".")[0] for m in found}
+            if isinstance(node, ast.ImportFrom) and node.level:
+                named = node.module.split(".") if node.module else []
+                found |= {named[-1]} if named and named[-1] in modules else {a.name for a in node.names}
+        graph.setdefault(path.stem, set()).update(found & modules - {"__init__"})
     return graph
 
 
@@ -40,7 +42,7 @@ def test_imports_form_no_cycle() -> None:
 
 
 def test_each_ddp_essential_is_written_once() -> None:
-    sources = {p.stem: p.read_text() for p in PACKAGE.glob("*.py") if p.stem not in BASELINE}
+    sources = {p.stem: p.read_text() for p in PACKAGE.rglob("*.py") if p.stem not in BASELINE}
     # set_epoch: torch's own, on the DistributedSampler (the trainer reaches it through ShardedBatches.set_epoch)
     for call in (r"\binit_process_group\(", r"\bDDP\(", r"\bdestroy_process_group\(", r"\bsampler\.set_epoch\(",
                  r"\bDistributedSampler\(", r"\bno_sync\("):

@@ -4,7 +4,7 @@ import torch
 
 from mnist_ddp import summary
 from mnist_ddp.batches import Share
-from mnist_ddp.config import TrainConfig, recipe
+from mnist_ddp.common.config import TrainConfig, recipe
 from mnist_ddp.distributed import Dist
 from mnist_ddp.evaluation import EvalResult
 from mnist_ddp.state import Progress

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, tiny
-from mnist_ddp import timing
+from mnist_ddp.common import timing
 
 
 def test_process_start_is_read_from_the_kernels_record() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mnist_ddp import untrusted
+from mnist_ddp.common import untrusted
 
 
 @pytest.mark.parametrize(("text", "shown"), [

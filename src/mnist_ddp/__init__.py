@@ -11,8 +11,8 @@ trainer.py (DDP wrap, the loop, rank-0 outputs) → evaluation.py (all-reduced a
 import warnings
 
 from .api import evaluate, predict, train
-from .errors import UserError
-from .results import Evaluation, Prediction, Run
+from .common.errors import UserError
+from .common.results import Evaluation, Prediction, Run
 
 __version__ = "0.1.0"
 __all__ = ["Evaluation", "Prediction", "Run", "UserError", "evaluate", "predict", "train"]

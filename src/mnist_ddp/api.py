@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from . import cli
-from .config import EvalConfig, PredictConfig, TrainConfig
-from .errors import UserError
-from .results import Evaluation, Prediction, Run
+from .common.config import EvalConfig, PredictConfig, TrainConfig
+from .common.errors import UserError
+from .common.results import Evaluation, Prediction, Run
 
 F = TypeVar("F", bound=Callable[..., Any])
 RENAMED = {"gpus": "processes"}  # flag (dest) → keyword, where the flag's name misleads: CPUs have workers too

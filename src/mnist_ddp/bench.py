@@ -18,8 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from . import datasets, launch, rendezvous, tutorial
-from .config import BenchConfig, DataConfig
-from .errors import UserError
+from .common.config import BenchConfig, DataConfig
+from .common.errors import UserError
 from .identity import without_launcher_vars
 
 

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import extras, identity, tracking
-from .config import (
+from . import identity, tracking
+from .common import extras
+from .common.config import (
     AMP,
     BACKENDS,
     DATASETS,
@@ -36,7 +37,7 @@ from .config import (
     read_secret,
     recipe,
 )
-from .errors import UserError, last_word
+from .common.errors import UserError, last_word
 
 PROFILE_STEPS = 5  # what a bare --profile profiles
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, idx, inputfile
+from . import idx
+from .common import atomic, inputfile
+from .common.errors import UserError, WriteFailed
 from .download import file_lock
-from .errors import UserError, WriteFailed
 
 Tensors = dict[str, torch.Tensor]  # file name -> uint8 tensor of 1 (labels) or 3 (images) dimensions
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from . import datacache, idx, synthetic
-from .config import DataConfig, Known
+from .common.config import DataConfig, Known
+from .common.errors import UserError
 from .download import DownloadError, fetch, file_lock
-from .errors import UserError
 
 SPLIT_FILES = {  # (split, part) -> the standard base file name
     ("train", "images"): "train-images-idx3-ubyte",

@@ -10,8 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import reduction
 from .batches import Share
+from .common.errors import UserError
 from .distributed import Dist
-from .errors import UserError
 
 # Each rank keeps its own BatchNorm statistics (averaged before use: steps.PartStats) instead of DDP re-sending
 # rank 0's before every forward, a collective as slow as the gradient all-reduce at this size. torch 2.13

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import errors, membership, rendezvous, untrusted
-from .errors import UserError
+from . import membership, rendezvous
+from .common import errors, untrusted
+from .common.errors import UserError
 from .heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat, beats_prefix
 from .identity import Identity
 from .membership import Credentials

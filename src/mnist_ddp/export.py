@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import atomic, infer, model_file, synthetic
+from . import infer, model_file, synthetic
 from .batches import MEAN, STD, model_input
-from .config import ExportConfig
-from .errors import UserError, WriteFailed
+from .common import atomic
+from .common.config import ExportConfig
+from .common.errors import UserError, WriteFailed
 
 OPSET = 18
 INPUT, OUTPUT = "pixels", "logits"

@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import compute, flatopt, schedule
 from .batches import DeviceData, ShardedBatches, StepBatches
+from .common.config import Recipe, TrainConfig
 from .compute import autocast
-from .config import Recipe, TrainConfig
 from .distributed import Dist
 from .state import Training
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
-from . import compute, datasets, idx, images, inputfile, model_file
+from . import compute, datasets, idx, images, model_file
 from .batches import ShardedBatches, model_input
-from .config import AMP, DATASETS, EvalConfig, Known, PredictConfig
+from .common import inputfile
+from .common.config import AMP, DATASETS, EvalConfig, Known, PredictConfig
+from .common.errors import UserError
+from .common.results import Evaluation, Prediction
 from .distributed import Dist, pick_device
-from .errors import UserError
 from .evaluation import evaluate
-from .results import Evaluation, Prediction
 
 
 @dataclass(frozen=True)

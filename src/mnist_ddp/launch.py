@@ -36,10 +36,8 @@ import torch.multiprocessing as mp
 from . import (
     checkpoint,
     compute,
-    console,
     distributed,
     divergence,
-    errors,
     forkserver,
     heartbeat,
     identity,
@@ -48,13 +46,13 @@ from . import (
     rendezvous,
     successor,
     tb,
-    timing,
     tracking,
     trainer,
 )
-from .config import TrainConfig, run_settings
+from .common import console, errors, timing
+from .common.config import TrainConfig, run_settings
+from .common.errors import UserError
 from .distributed import Dist, PeerFailure
-from .errors import UserError
 from .identity import Identity
 from .membership import Credentials
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .batches import model_input
-from .config import DataConfig
+from .common.config import DataConfig
 from .datasets import Split, load
 from .model import ConvNet
 

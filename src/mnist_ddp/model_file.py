@@ -18,9 +18,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from . import atomic, checkpoint, inputfile
+from . import checkpoint
 from .batches import MEAN, STD
-from .errors import UserError
+from .common import atomic, inputfile
+from .common.errors import UserError
 from .model import ConvNet
 
 NAME = "model.safetensors"

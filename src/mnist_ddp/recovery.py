@@ -19,11 +19,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, distributed, membership, regroup, rendezvous, successor, untrusted
+from . import checkpoint, distributed, membership, regroup, rendezvous, successor
 from .batches import ShardedBatches, Share, StepBatches
-from .config import TrainConfig, run_settings
+from .common import untrusted
+from .common.config import TrainConfig, run_settings
+from .common.errors import UserError
 from .distributed import Dist, PeerFailure
-from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from .identity import Identity
 from .lossplan import LossPlan

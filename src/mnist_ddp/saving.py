@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, inputfile, model_file, schedule
+from . import checkpoint, model_file, schedule
 from .batches import Share
-from .config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
+from .common import inputfile
+from .common.config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
+from .common.errors import UserError
 from .distributed import Dist
-from .errors import UserError
 from .evaluation import EvalResult
 from .model import ConvNet
 from .state import Progress, Training

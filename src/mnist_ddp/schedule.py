@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import compute
-from .config import Recipe
+from .common.config import Recipe
 
 WARMUP = 0.25  # OneCycleLR's pct_start
 START_DIV, FINAL_DIV = 25.0, 1e4  # OneCycleLR's div_factor and final_div_factor

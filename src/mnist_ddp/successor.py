@@ -15,9 +15,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import membership, rendezvous, untrusted
+from . import membership, rendezvous
+from .common import untrusted
+from .common.errors import UserError
 from .distributed import Dist, PeerFailure
-from .errors import UserError
 from .heartbeat import BEAT_WAIT_S, bounded, gone
 from .identity import Identity
 

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from .batches import Share
-from .config import TrainConfig
+from .common.config import TrainConfig
 from .datasets import Dataset
 from .distributed import Dist
 from .evaluation import EvalResult

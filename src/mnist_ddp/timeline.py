@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import atomic
+from .common import atomic
 from .distributed import Dist
 from .reduction import Reduction
 from .report import Reporter, matplotlib_figure, save_figure

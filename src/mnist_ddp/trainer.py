@@ -12,22 +12,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import (
-    compute,
-    datasets,
-    ddp,
-    divergence,
-    graphstep,
-    recovery,
-    reduction,
-    saving,
-    schedule,
-    state,
-    summary,
-    timing,
-)
+from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, saving, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
-from .config import TrainConfig
+from .common import timing
+from .common.config import TrainConfig
 from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate

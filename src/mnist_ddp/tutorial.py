@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import datasets, distributed
-from .config import DataConfig
+from .common.config import DataConfig
 from .datasets import Split
 from .model import ConvNet
 
