@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, datasets, ddp, distributed, identity, rendezvous, schedule
+from mnist_ddp import compute, datasets, ddp, distributed, schedule
 from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.compute import autocast
-from mnist_ddp.heartbeat import Heartbeat
+from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.joining.heartbeat import Heartbeat
 from mnist_ddp.model import ConvNet
 
 SETTINGS = {"off": 0.0, "default (1 s)": 1.0, "10x as often (0.1 s)": 0.1}  # seconds between beats

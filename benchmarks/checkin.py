@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mnist_ddp import membership, rendezvous
-from mnist_ddp.identity import Identity
+from mnist_ddp.joining import membership, rendezvous
+from mnist_ddp.joining.identity import Identity
 
 KINDS = ("arrivals (before)", "check-in")
 SETTINGS = {"seed": "0", "lr": "0.003"}  # a run's settings (config.run_settings gives a dozen)

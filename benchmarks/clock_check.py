@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnist_ddp import distributed, rendezvous, timeline
+from mnist_ddp import distributed, timeline
+from mnist_ddp.joining import rendezvous
 from mnist_ddp.model import ConvNet
 from mnist_ddp.reduction import MeanReduction, comm_hook
 

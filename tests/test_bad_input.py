@@ -22,7 +22,7 @@ from conftest import run_cli, tiny
 from mnist_ddp import checkpoint, cli, launch
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.identity import without_launcher_vars
+from mnist_ddp.joining.identity import without_launcher_vars
 from mnist_ddp.model import ConvNet
 from procfs import finish, free_port, marked_env, reaped, start
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import cli_env, metrics, progress, tiny
-from mnist_ddp import checkpoint, distributed, identity, rendezvous
+from mnist_ddp import checkpoint, distributed
+from mnist_ddp.joining import identity, rendezvous
 from procfs import (
     children,
     describe,
@@ -550,7 +551,7 @@ def test_a_rank_reports_its_error_before_it_leaves_the_group(tmp_path: Path) -> 
 STILL_CLOSING = """
 import atexit, sys
 from mnist_ddp import cli, distributed, launch
-from mnist_ddp.identity import Identity
+from mnist_ddp.joining.identity import Identity
 distributed.teardown = lambda together: False  # as when a dead peer holds the group's threads past LEAVE_S
 atexit.register(lambda: print("the interpreter's exit ran", flush=True))
 cfg = cli.configure(["train", "--dataset", "synthetic", "--out", sys.argv[1]])

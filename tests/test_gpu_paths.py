@@ -32,7 +32,7 @@ from mnist_ddp.batches import Share
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.distributed import Dist
-from mnist_ddp.identity import without_launcher_vars
+from mnist_ddp.joining.identity import without_launcher_vars
 from mnist_ddp.report import Reporter
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_faults import HANG, _last_error, _train

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from mnist_ddp import heartbeat
-from mnist_ddp.heartbeat import LOST_CONTACT, Heartbeat
+from mnist_ddp.joining import heartbeat
+from mnist_ddp.joining.heartbeat import LOST_CONTACT, Heartbeat
 from procfs import children, marked_env, reaped
 
 BEAT = 60.0  # seconds: no rank here beats on its own during a test, only when told to (and once as it starts)
@@ -173,7 +173,7 @@ _SILENT = """
 import ctypes, json, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from mnist_ddp.heartbeat import Heartbeat
+from mnist_ddp.joining.heartbeat import Heartbeat
 port, rank, world, how = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
 beat = Heartbeat(store, rank, world, 3600, store_host=None)

@@ -9,8 +9,8 @@ import zlib
 import pytest
 
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.identity import DEFAULT_PORT, job_port, launcher_pid, without_launcher_vars
-from mnist_ddp.identity import from_env as identity_from_env
+from mnist_ddp.joining.identity import DEFAULT_PORT, job_port, launcher_pid, without_launcher_vars
+from mnist_ddp.joining.identity import from_env as identity_from_env
 
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "2021326849", "PMIX_RANK": "3",
@@ -55,7 +55,7 @@ def test_hydra_on_one_node_meets_on_loopback_at_a_port_from_its_launchers_pid() 
 def test_the_launchers_pid_is_found_through_a_wrapper_script() -> None:
     """A shell between the launcher and python inherits PMI_RANK: the search goes past it, so every rank
     finds the same process (here: this test's)."""
-    code = "from mnist_ddp.identity import launcher_pid; print(launcher_pid('PMI_RANK'))"
+    code = "from mnist_ddp.joining.identity import launcher_pid; print(launcher_pid('PMI_RANK'))"
     env = os.environ | {"PMI_RANK": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run(["sh", "-c", f'{sys.executable} -c "{code}"; exit $?'], env=env, capture_output=True,
                        text=True, timeout=60)

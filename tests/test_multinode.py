@@ -214,7 +214,8 @@ def test_gloo_listens_on_loopback_for_one_node_unless_told(machines: Machines, t
     outside reaches it; with GLOO_SOCKET_IFNAME=<the veth> set, the workers listen on the veth's address. What
     they listen on is read from /proc, not from our code."""
     veth = _interface_of(machines, ADDRS[0])
-    ask = f"from mnist_ddp.rendezvous import interface_to as g; print(*(g(a) for a in {(*ADDRS, '127.0.0.1')!r}))"
+    ask = (f"from mnist_ddp.joining.rendezvous import interface_to as g; "
+           f"print(*(g(a) for a in {(*ADDRS, '127.0.0.1')!r}))")
     picked = subprocess.run([*machines.prefix(0), sys.executable, "-c", ask], env=cli_env(), capture_output=True,
                             text=True, timeout=60)
     assert picked.stdout.split() == [veth, veth, "lo"], picked

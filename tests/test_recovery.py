@@ -30,7 +30,7 @@ from mnist_ddp import checkpoint, launch, lossplan, recovery
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.distributed import Dist, PeerFailure
-from mnist_ddp.identity import Identity
+from mnist_ddp.joining.identity import Identity
 from netns import netns_pair
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 

@@ -16,8 +16,9 @@ import pytest
 from torch.multiprocessing.spawn import _wrap as torch_wrap
 
 from conftest import cli_env, tiny
-from mnist_ddp import forkserver, launch, rendezvous
+from mnist_ddp import forkserver, launch
 from mnist_ddp.common.config import TrainConfig
+from mnist_ddp.joining import rendezvous
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
 TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]

@@ -16,9 +16,10 @@ from contextlib import suppress
 import pytest
 
 from conftest import cli_env
-from mnist_ddp import membership, successor
+from mnist_ddp import successor
 from mnist_ddp.distributed import PeerFailure
-from mnist_ddp.identity import Identity
+from mnist_ddp.joining import membership
+from mnist_ddp.joining.identity import Identity
 from procfs import free_port
 
 SECRET, RUN = b"the job's secret", {"seed": "3", "world": "2"}
@@ -27,7 +28,7 @@ import json, socket, sys
 from datetime import timedelta
 import torch.distributed as dist
 from mnist_ddp import successor
-from mnist_ddp.membership import Credentials
+from mnist_ddp.joining.membership import Credentials
 secret, run, timeout = sys.argv[1].encode(), json.loads(sys.argv[2]), timedelta(seconds=60)
 standbys = {"the job's launcher": successor.Standby("127.0.0.1", 2, Credentials(secret, run), timeout),
             "the job's other launcher": successor.Standby("127.0.0.1", 2, Credentials(secret, run), timeout),

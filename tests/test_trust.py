@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO, metrics, progress, run_cli, tiny
-from mnist_ddp.membership import MAX_CHECKIN, CheckIn
+from mnist_ddp.joining.membership import MAX_CHECKIN, CheckIn
 from netns import netns_pair
 from procfs import finish, free_port, marked_env, marked_pids, reaped, socket_inodes, start, wait_for
 
@@ -337,9 +337,10 @@ INTERFACES = [
     ((4, 2, ADDRS[1], {}), {"GLOO_SOCKET_IFNAME": f"{TAG}a", "NCCL_SOCKET_IFNAME": f"={TAG}a"}),  # towards the master
     ((4, 2, ADDRS[1], {"NCCL_SOCKET_IFNAME": "eth"}), {"GLOO_SOCKET_IFNAME": f"{TAG}a"}),  # the user's choice stays
 ]
-SNIPPET = ("import json, sys\nfrom mnist_ddp.identity import Identity\nfrom mnist_ddp.rendezvous import "
-           "socket_interfaces\nprint(json.dumps([socket_interfaces(Identity(world_size=w, local_world_size=lw, "
-           "master_addr=addr), env) for w, lw, addr, env in json.loads(sys.argv[1])]))")
+SNIPPET = ("import json, sys\nfrom mnist_ddp.joining.identity import Identity\n"
+           "from mnist_ddp.joining.rendezvous import socket_interfaces\n"
+           "print(json.dumps([socket_interfaces(Identity(world_size=w, local_world_size=lw, master_addr=addr), env) "
+           "for w, lw, addr, env in json.loads(sys.argv[1])]))")
 
 
 def test_gloo_and_nccl_use_the_interface_towards_the_master(machines: tuple[str, str]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from conftest import REPO
-from mnist_ddp import identity
+from mnist_ddp.joining import identity
 
 INSTALL_S = 600  # a hang guard for pip, not a timing assertion
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import datasets, launch, rendezvous, tutorial
+from . import datasets, launch, tutorial
 from .common.config import BenchConfig, DataConfig
 from .common.errors import UserError
-from .identity import without_launcher_vars
+from .joining import rendezvous
+from .joining.identity import without_launcher_vars
 
 
 class BenchFailed(UserError):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import identity, tracking
+from . import tracking
 from .common import extras
 from .common.config import (
     AMP,
@@ -38,6 +38,7 @@ from .common.config import (
     recipe,
 )
 from .common.errors import UserError, last_word
+from .joining import identity
 
 PROFILE_STEPS = 5  # what a bare --profile profiles
 

@@ -39,11 +39,8 @@ from . import (
     distributed,
     divergence,
     forkserver,
-    heartbeat,
-    identity,
     outdir,
     recovery,
-    rendezvous,
     successor,
     tb,
     tracking,
@@ -53,8 +50,9 @@ from .common import console, errors, timing
 from .common.config import TrainConfig, run_settings
 from .common.errors import UserError
 from .distributed import Dist, PeerFailure
-from .identity import Identity
-from .membership import Credentials
+from .joining import heartbeat, identity, rendezvous
+from .joining.identity import Identity
+from .joining.membership import Credentials
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)

@@ -19,14 +19,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, distributed, membership, regroup, rendezvous, successor
+from . import checkpoint, distributed, regroup, successor
 from .batches import ShardedBatches, Share, StepBatches
 from .common import untrusted
 from .common.config import TrainConfig, run_settings
 from .common.errors import UserError
 from .distributed import Dist, PeerFailure
-from .heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
-from .identity import Identity
+from .joining import membership, rendezvous
+from .joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
+from .joining.identity import Identity
 from .lossplan import LossPlan
 from .report import Reporter
 from .snapshot import Snapshots

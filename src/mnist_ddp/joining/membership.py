@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .common import untrusted
-from .common.errors import UserError
+from ..common import untrusted
+from ..common.errors import UserError
 from .identity import Identity
 
 T = TypeVar("T")

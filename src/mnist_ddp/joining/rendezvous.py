@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .common import untrusted
-from .common.errors import UserError
+from ..common import untrusted
+from ..common.errors import UserError
 from .identity import Identity
 
 WORLD_KEY = "mnist_ddp/world_size"  # the store's host writes the world size here; every joiner compares

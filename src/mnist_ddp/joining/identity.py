@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .common.errors import UserError
+from ..common.errors import UserError
 
 # Who opens the rendezvous store that every process of the job first connects to:
 #   "none"   one process alone: no store, no process group;

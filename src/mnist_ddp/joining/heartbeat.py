@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from ..common import untrusted
 from . import rendezvous
-from .common import untrusted
 
 T = TypeVar("T")
 BEATS_PREFIX = "mnist_ddp/heartbeat"  # where in the job's store the beats are kept
