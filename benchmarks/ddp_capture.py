@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from mnist_ddp import compute, datasets, ddp, distributed, schedule
+from mnist_ddp import compute, ddp, distributed, schedule
 from mnist_ddp.batches import DeviceData, ShardedBatches
 from mnist_ddp.common.config import DataConfig, recipe
+from mnist_ddp.data import datasets
 from mnist_ddp.distributed import Dist
 from mnist_ddp.graphstep import GraphStep
 from mnist_ddp.model import ConvNet

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mnist_ddp import datasets
 from mnist_ddp.batches import model_input
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.compute import sync
+from mnist_ddp.data import datasets
 from mnist_ddp.distributed import Dist, pick_device
 from mnist_ddp.model import ConvNet
 from mnist_ddp.report import Reporter

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import bitwise_check  # beside this file: the saved model's SHA-256 (it imports mnist_ddp from this checkout)
-from mnist_ddp import idx
+from mnist_ddp.data import idx
 
 RUN = ("train", "--dataset", "fashion-mnist")
 PARTS = ("start", "join", "data", "warm-up", "training", "evaluation", "outputs")

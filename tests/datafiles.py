@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import datasets, idx
+from mnist_ddp.data import datasets, idx
 
 # Children of the tests run one thread each: on a small shared box, two or more OpenMP threads per
 # process spin against each other and run many times slower (and the timings are never asserted).

@@ -12,7 +12,7 @@ import torch
 
 from mnist_ddp import tutorial
 from mnist_ddp.bench import Run, _time_ratio
-from mnist_ddp.datasets import Split
+from mnist_ddp.data.datasets import Split
 
 TINY_BENCH = ["bench", "--dataset", "synthetic", "--train-samples", "400", "--test-samples", "100",
               "--epochs", "1", "--tutorial-epochs", "1"]

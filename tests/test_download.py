@@ -18,10 +18,10 @@ import torch
 
 from conftest import cli_env, run_cli
 from datafiles import ONE_THREAD, make_splits, md5s, source_for, write_files
-from mnist_ddp import datasets
 from mnist_ddp.common.config import DataConfig
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.download import DownloadError, fetch
+from mnist_ddp.data import datasets
+from mnist_ddp.data.download import DownloadError, fetch
 
 HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
 

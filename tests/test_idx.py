@@ -11,9 +11,9 @@ import torch
 
 from conftest import run_cli
 from datafiles import ONE_THREAD, make_splits, write_files, write_idx
-from mnist_ddp import datasets, idx
 from mnist_ddp.common.config import DataConfig
 from mnist_ddp.common.errors import UserError
+from mnist_ddp.data import datasets, idx
 
 
 @pytest.mark.parametrize("name", ["data-idx3-ubyte", "data-idx3-ubyte.gz"])

@@ -15,8 +15,9 @@ import torch
 
 from conftest import FASHION, MNIST_T10K, needs_t10k
 from datafiles import one_thread
-from mnist_ddp import cli, datasets
+from mnist_ddp import cli
 from mnist_ddp.common.config import DataConfig
+from mnist_ddp.data import datasets
 from mnist_ddp.model import ConvNet
 
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]

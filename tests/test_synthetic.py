@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from mnist_ddp import synthetic
+from mnist_ddp.data import synthetic
 
 # SHA-256 of generate(2500, 20240601)'s images and labels as IDX bytes, per synthetic.VERSION: the cached copies of
 # a version (data/synthetic/v<VERSION>/) are trusted to be these bytes, so a change to them must raise VERSION.

@@ -139,7 +139,8 @@ def predict(checkpoint: str | os.PathLike, inputs: Any, **options: Any) -> list[
     import torch
     from PIL import Image
 
-    from . import images, infer
+    from . import infer
+    from .data import images
 
     items = list(inputs) if isinstance(inputs, list | tuple) else [inputs]
     for i, item in enumerate(items):

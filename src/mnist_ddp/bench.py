@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import datasets, launch, tutorial
+from . import launch, tutorial
 from .common.config import BenchConfig, DataConfig
 from .common.errors import UserError
+from .data import datasets
 from .joining import rendezvous
 from .joining.identity import without_launcher_vars
 

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import infer, model_file, synthetic
+from . import infer, model_file
 from .batches import MEAN, STD, model_input
 from .common import atomic
 from .common.config import ExportConfig
 from .common.errors import UserError, WriteFailed
+from .data import synthetic
 
 OPSET = 18
 INPUT, OUTPUT = "pixels", "logits"

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from . import compute, datasets, idx, images, model_file
+from . import compute, model_file
 from .batches import ShardedBatches, model_input
 from .common import inputfile
 from .common.config import AMP, DATASETS, EvalConfig, Known, PredictConfig
 from .common.errors import UserError
 from .common.results import Evaluation, Prediction
+from .data import datasets, idx, images
 from .distributed import Dist, pick_device
 from .evaluation import evaluate
 

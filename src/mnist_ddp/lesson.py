@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .batches import model_input
 from .common.config import DataConfig
-from .datasets import Split, load
+from .data.datasets import Split, load
 from .model import ConvNet
 
 

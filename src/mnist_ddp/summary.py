@@ -7,7 +7,7 @@ import torch
 
 from .batches import Share
 from .common.config import TrainConfig
-from .datasets import Dataset
+from .data.datasets import Dataset
 from .distributed import Dist
 from .evaluation import EvalResult
 from .state import Progress

@@ -12,10 +12,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import compute, datasets, ddp, divergence, graphstep, recovery, reduction, saving, schedule, state, summary
+from . import compute, ddp, divergence, graphstep, recovery, reduction, saving, schedule, state, summary
 from .batches import ShardedBatches, Share, Step, StepBatches
 from .common import timing
 from .common.config import TrainConfig
+from .data import datasets
 from .distributed import Dist
 from .divergence import nonfinite
 from .evaluation import EvalResult, evaluate

@@ -17,9 +17,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import datasets, distributed
+from . import distributed
 from .common.config import DataConfig
-from .datasets import Split
+from .data import datasets
+from .data.datasets import Split
 from .model import ConvNet
 
 PIPELINES = {"pil": "PIL image + ToTensor per sample", "tensor": "a tensor per sample (no torchvision here)"}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .common import inputfile
-from .common.errors import UserError
+from ..common import inputfile
+from ..common.errors import UserError
 
 IMAGES_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions (count, rows, cols)
 LABELS_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension (count)

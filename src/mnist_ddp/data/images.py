@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageOps, ImageStat, UnidentifiedImageError
 
-from .common import inputfile
-from .common.errors import UserError
+from ..common import inputfile
+from ..common.errors import UserError
 
 SIDE = 28  # MNIST's images are 28x28
 FORMATS = ("PNG", "JPEG", "BMP", "GIF")  # the only Pillow decoders we expose to untrusted files

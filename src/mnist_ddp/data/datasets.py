@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from ..common.config import DataConfig, Known
+from ..common.errors import UserError
 from . import datacache, idx, synthetic
-from .common.config import DataConfig, Known
-from .common.errors import UserError
 from .download import DownloadError, fetch, file_lock
 
 SPLIT_FILES = {  # (split, part) -> the standard base file name

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from ..common import atomic, inputfile
+from ..common.errors import UserError, WriteFailed
 from . import idx
-from .common import atomic, inputfile
-from .common.errors import UserError, WriteFailed
 from .download import file_lock
 
 Tensors = dict[str, torch.Tensor]  # file name -> uint8 tensor of 1 (labels) or 3 (images) dimensions
