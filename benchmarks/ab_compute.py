@@ -18,10 +18,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mnist_ddp import distributed, schedule
-from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.common.config import RECIPES
-from mnist_ddp.compute import autocast
+from mnist_ddp.core import distributed, schedule
+from mnist_ddp.core.batches import ShardedBatches
+from mnist_ddp.core.compute import autocast
 from mnist_ddp.model import ConvNet
 
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, ddp, distributed, schedule
-from mnist_ddp.batches import ShardedBatches
 from mnist_ddp.common.config import DataConfig, TrainConfig
-from mnist_ddp.compute import autocast
+from mnist_ddp.core import compute, ddp, distributed, schedule
+from mnist_ddp.core.batches import ShardedBatches
+from mnist_ddp.core.compute import autocast
 from mnist_ddp.data import datasets
 from mnist_ddp.joining import identity, rendezvous
 from mnist_ddp.joining.heartbeat import Heartbeat

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import checkpoint, schedule, state
+from mnist_ddp import checkpoint
 from mnist_ddp.common import atomic
 from mnist_ddp.common.config import TrainConfig
+from mnist_ddp.core import schedule, state
 from mnist_ddp.model import ConvNet
 
 

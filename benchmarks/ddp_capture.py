@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from mnist_ddp import compute, ddp, distributed, schedule
-from mnist_ddp.batches import DeviceData, ShardedBatches
 from mnist_ddp.common.config import DataConfig, recipe
+from mnist_ddp.core import compute, ddp, distributed, schedule
+from mnist_ddp.core.batches import DeviceData, ShardedBatches
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.core.graphstep import GraphStep
+from mnist_ddp.core.steps import train_step
 from mnist_ddp.data import datasets
-from mnist_ddp.distributed import Dist
-from mnist_ddp.graphstep import GraphStep
 from mnist_ddp.model import ConvNet
-from mnist_ddp.steps import train_step
 
 EPOCHS = 2  # the first pays for warm-up and capture; images/s are the second's
 

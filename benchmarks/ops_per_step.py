@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mnist_ddp.batches import model_input
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
-from mnist_ddp.compute import sync
+from mnist_ddp.core.batches import model_input
+from mnist_ddp.core.compute import sync
+from mnist_ddp.core.distributed import Dist, pick_device
 from mnist_ddp.data import datasets
-from mnist_ddp.distributed import Dist, pick_device
 from mnist_ddp.model import ConvNet
 from mnist_ddp.report import Reporter
 from mnist_ddp.trainer import Trainer

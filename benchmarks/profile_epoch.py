@@ -20,10 +20,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import compute, ddp, distributed, reduction, schedule, timeline
-from mnist_ddp.batches import ShardedBatches
+from mnist_ddp import timeline
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
-from mnist_ddp.compute import autocast
+from mnist_ddp.core import compute, ddp, distributed, reduction, schedule
+from mnist_ddp.core.batches import ShardedBatches
+from mnist_ddp.core.compute import autocast
 from mnist_ddp.data import datasets
 from mnist_ddp.joining import identity, rendezvous
 from mnist_ddp.model import ConvNet

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import schedule, state
-from mnist_ddp.batches import Share
 from mnist_ddp.common.config import TrainConfig
+from mnist_ddp.core import schedule, state
+from mnist_ddp.core.batches import Share
+from mnist_ddp.core.steps import PartStats
 from mnist_ddp.model import ConvNet
 from mnist_ddp.snapshot import Snapshots
-from mnist_ddp.steps import PartStats
 
 
 def snapshot_us(repeats: int = 2000) -> float:

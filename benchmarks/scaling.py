@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnist_ddp import compute, distributed, schedule
 from mnist_ddp.common.config import RECIPES
-from mnist_ddp.compute import autocast
+from mnist_ddp.core import compute, distributed, schedule
+from mnist_ddp.core.compute import autocast
 from mnist_ddp.model import ConvNet
 
 GRADIENT_BYTES = 29_034 * 4

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkpoint_cost import payload
-from mnist_ddp import checkpoint, distributed
+from mnist_ddp import checkpoint
+from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
 
 

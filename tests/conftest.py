@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mnist_ddp import checkpoint, distributed
+from mnist_ddp import checkpoint
 from mnist_ddp.common.errors import UserError
+from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
 from strict_skips import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mnist_ddp import compute
-from mnist_ddp.batches import MEAN, STD, ShardedBatches, Share, StepBatches
 from mnist_ddp.common.config import RECIPES
+from mnist_ddp.core import compute
+from mnist_ddp.core.batches import MEAN, STD, ShardedBatches, Share, StepBatches
 
 CPU = torch.device("cpu")
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import cli_env, spawn_gloo
-from mnist_ddp import ddp
-from mnist_ddp.batches import Share
-from mnist_ddp.distributed import Dist
+from mnist_ddp.core import ddp
+from mnist_ddp.core.batches import Share
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.core.steps import PartStats
 from mnist_ddp.model import ConvNet
-from mnist_ddp.steps import PartStats
 
 WORLD = 2
 

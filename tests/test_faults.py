@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import cli_env, metrics, progress, tiny
-from mnist_ddp import checkpoint, distributed
+from mnist_ddp import checkpoint
+from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
 from procfs import (
     children,

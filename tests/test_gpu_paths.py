@@ -27,12 +27,13 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, compute, ddp, distributed, divergence, forkserver, graphstep, trainer
-from mnist_ddp.batches import Share
+from mnist_ddp import cli, forkserver, trainer
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.common.errors import UserError
+from mnist_ddp.core import compute, ddp, distributed, divergence, graphstep
+from mnist_ddp.core.batches import Share
+from mnist_ddp.core.distributed import Dist
 from mnist_ddp.data import datasets
-from mnist_ddp.distributed import Dist
 from mnist_ddp.joining.identity import without_launcher_vars
 from mnist_ddp.report import Reporter
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for

@@ -18,14 +18,14 @@ from torch.utils.data import DistributedSampler
 
 from conftest import progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import ddp, distributed, flatopt, schedule
-from mnist_ddp.batches import DeviceData, ShardedBatches
 from mnist_ddp.common.config import TrainConfig, recipe
-from mnist_ddp.distributed import Dist
-from mnist_ddp.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
+from mnist_ddp.core import ddp, distributed, flatopt, schedule
+from mnist_ddp.core.batches import DeviceData, ShardedBatches
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.core.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
+from mnist_ddp.core.state import Progress, Training
+from mnist_ddp.core.steps import train_step
 from mnist_ddp.model import ConvNet
-from mnist_ddp.state import Progress, Training
-from mnist_ddp.steps import train_step
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_bitwise import model_hash
 from test_faults import HANG, _last_error, _train

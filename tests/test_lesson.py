@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from conftest import REPO, run_cli, spawn_gloo
 from mnist_ddp.common.config import DataConfig
+from mnist_ddp.core.distributed import Dist
 from mnist_ddp.data.datasets import Split, load
-from mnist_ddp.distributed import Dist
 from mnist_ddp.lesson import evaluate
 from mnist_ddp.model import ConvNet
 

@@ -14,8 +14,8 @@ import torch
 from conftest import TRAINED_TEST_SAMPLES, metrics
 from datafiles import one_thread, write_idx
 from mnist_ddp import checkpoint, cli, model_file
-from mnist_ddp.batches import MEAN, STD
 from mnist_ddp.common.results import Run
+from mnist_ddp.core.batches import MEAN, STD
 from mnist_ddp.data import synthetic
 from test_untrusted import _torch_file
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from conftest import spawn_gloo
 from datafiles import one_thread
-from mnist_ddp import ddp, schedule
 from mnist_ddp.common.config import TrainConfig, recipe
-from mnist_ddp.distributed import Dist
+from mnist_ddp.core import ddp, schedule
+from mnist_ddp.core.distributed import Dist
 from mnist_ddp.model import ConvNet
 from test_sharding import sampler_indices
 

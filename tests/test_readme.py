@@ -2,8 +2,8 @@
 
 Every relative link in README.md and docs/ must lead to a file that exists (and, for a link into a Markdown
 file, to a heading there); every link to a line of a .py file (`file.py#L42`) must land on the `def` or
-`class` of the symbol its label names in backticks, e.g. [`distributed.join`](src/mnist_ddp/distributed.py#L42)
-must point at `def join`, and a label that is code, e.g. [`DDP(model, device_ids=…)`](src/mnist_ddp/ddp.py#L30),
+`class` of the symbol its label names in backticks, e.g. [`distributed.join`](src/mnist_ddp/core/distributed.py#L42)
+must point at `def join`, and a label that is code, e.g. [`DDP(model, device_ids=…)`](src/mnist_ddp/core/ddp.py#L30),
 on a line holding that code up to its first `…`. So a commit that moves code without moving the links fails here.
 """
 

@@ -29,7 +29,7 @@ from datafiles import ONE_THREAD
 from mnist_ddp import checkpoint, launch, lossplan, recovery
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.distributed import Dist, PeerFailure
+from mnist_ddp.core.distributed import Dist, PeerFailure
 from mnist_ddp.joining.identity import Identity
 from netns import netns_pair
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for

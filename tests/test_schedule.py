@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from mnist_ddp import compute, schedule
 from mnist_ddp.common.config import recipe
+from mnist_ddp.core import compute, schedule
 from mnist_ddp.model import ConvNet
 
 PEAK = 3e-3

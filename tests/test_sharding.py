@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from mnist_ddp.batches import ShardedBatches, Share, StepBatches
+from mnist_ddp.core.batches import ShardedBatches, Share, StepBatches
 
 SIZES = [1, 2, 3, 7, 10, 11, 64, 101]  # divisible and not, and smaller than the world
 

@@ -12,7 +12,7 @@ import torch
 from conftest import metrics, tiny
 from launchers import quiet_job_id
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.distributed import pick_device
+from mnist_ddp.core.distributed import pick_device
 from mnist_ddp.joining.identity import first_host, tasks_on_node
 from mnist_ddp.joining.identity import from_env as identity_from_env
 from procfs import finish, marked_env, reaped, start

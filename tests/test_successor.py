@@ -17,7 +17,7 @@ import pytest
 
 from conftest import cli_env
 from mnist_ddp import successor
-from mnist_ddp.distributed import PeerFailure
+from mnist_ddp.core.distributed import PeerFailure
 from mnist_ddp.joining import membership
 from mnist_ddp.joining.identity import Identity
 from procfs import free_port

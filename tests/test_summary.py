@@ -3,11 +3,11 @@
 import torch
 
 from mnist_ddp import summary
-from mnist_ddp.batches import Share
 from mnist_ddp.common.config import TrainConfig, recipe
-from mnist_ddp.distributed import Dist
-from mnist_ddp.evaluation import EvalResult
-from mnist_ddp.state import Progress
+from mnist_ddp.core.batches import Share
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.core.evaluation import EvalResult
+from mnist_ddp.core.state import Progress
 
 CPU = torch.device("cpu")
 

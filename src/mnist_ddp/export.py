@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from . import infer, model_file
-from .batches import MEAN, STD, model_input
 from .common import atomic
 from .common.config import ExportConfig
 from .common.errors import UserError, WriteFailed
+from .core.batches import MEAN, STD, model_input
 from .data import synthetic
 
 OPSET = 18

@@ -33,23 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import (
-    checkpoint,
-    compute,
-    distributed,
-    divergence,
-    forkserver,
-    outdir,
-    recovery,
-    successor,
-    tb,
-    tracking,
-    trainer,
-)
+from . import checkpoint, forkserver, outdir, recovery, successor, tb, tracking, trainer
 from .common import console, errors, timing
 from .common.config import TrainConfig, run_settings
 from .common.errors import UserError
-from .distributed import Dist, PeerFailure
+from .core import compute, distributed, divergence
+from .core.distributed import Dist, PeerFailure
 from .joining import heartbeat, identity, rendezvous
 from .joining.identity import Identity
 from .joining.membership import Credentials

@@ -21,8 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .batches import model_input
 from .common.config import DataConfig
+from .core.batches import model_input
 from .data.datasets import Split, load
 from .model import ConvNet
 

@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 
 from . import checkpoint
-from .batches import MEAN, STD
 from .common import atomic, inputfile
 from .common.errors import UserError
+from .core.batches import MEAN, STD
 from .model import ConvNet
 
 NAME = "model.safetensors"

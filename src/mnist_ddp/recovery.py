@@ -19,20 +19,21 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, distributed, regroup, successor
-from .batches import ShardedBatches, Share, StepBatches
+from . import checkpoint, regroup, successor
 from .common import untrusted
 from .common.config import TrainConfig, run_settings
 from .common.errors import UserError
-from .distributed import Dist, PeerFailure
+from .core import distributed
+from .core.batches import ShardedBatches, Share, StepBatches
+from .core.distributed import Dist, PeerFailure
+from .core.state import Progress, Stretch, Training
+from .core.steps import PartStats
 from .joining import membership, rendezvous
 from .joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from .joining.identity import Identity
 from .lossplan import LossPlan
 from .report import Reporter
 from .snapshot import Snapshots
-from .state import Progress, Stretch, Training
-from .steps import PartStats
 
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.
 JOIN_VAR = "MNIST_DDP_TEST_JOIN"

@@ -9,16 +9,17 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, model_file, schedule
-from .batches import Share
+from . import checkpoint, model_file
 from .common import inputfile
 from .common.config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
 from .common.errors import UserError
-from .distributed import Dist
-from .evaluation import EvalResult
+from .core import schedule
+from .core.batches import Share
+from .core.distributed import Dist
+from .core.evaluation import EvalResult
+from .core.state import Progress, Training
+from .core.steps import running_stats
 from .model import ConvNet
-from .state import Progress, Training
-from .steps import running_stats
 
 
 @dataclass

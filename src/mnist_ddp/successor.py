@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .common import untrusted
 from .common.errors import UserError
-from .distributed import Dist, PeerFailure
+from .core.distributed import Dist, PeerFailure
 from .joining import membership, rendezvous
 from .joining.heartbeat import BEAT_WAIT_S, bounded, gone
 from .joining.identity import Identity

@@ -5,12 +5,12 @@ from typing import Any
 
 import torch
 
-from .batches import Share
 from .common.config import TrainConfig
+from .core.batches import Share
+from .core.distributed import Dist
+from .core.evaluation import EvalResult
+from .core.state import Progress
 from .data.datasets import Dataset
-from .distributed import Dist
-from .evaluation import EvalResult
-from .state import Progress
 
 
 def data_line(data: Dataset) -> str:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from .common import atomic
-from .distributed import Dist
-from .reduction import Reduction
+from .core.distributed import Dist
+from .core.reduction import Reduction
 from .report import Reporter, matplotlib_figure, save_figure
 
 WARMUP = 5  # steps before profiling

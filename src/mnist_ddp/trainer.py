@@ -12,20 +12,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import compute, ddp, divergence, graphstep, recovery, reduction, saving, schedule, state, summary
-from .batches import ShardedBatches, Share, Step, StepBatches
+from . import recovery, saving, summary
 from .common import timing
 from .common.config import TrainConfig
+from .core import compute, ddp, divergence, graphstep, reduction, schedule, state
+from .core.batches import ShardedBatches, Share, Step, StepBatches
+from .core.distributed import Dist
+from .core.divergence import nonfinite
+from .core.evaluation import EvalResult, evaluate
+from .core.state import Progress, Stretch
+from .core.steps import PartStats, slot_step, train_step
 from .data import datasets
-from .distributed import Dist
-from .divergence import nonfinite
-from .evaluation import EvalResult, evaluate
 from .model import ConvNet
 from .recovery import Grow, Recovery
 from .report import Reporter
 from .snapshot import Snapshots
-from .state import Progress, Stretch
-from .steps import PartStats, slot_step, train_step
 from .timeline import StepProfiler
 
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import distributed
 from .common.config import DataConfig
+from .core import distributed
 from .data import datasets
 from .data.datasets import Split
 from .model import ConvNet

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..common.errors import UserError
 from . import reduction
 from .batches import Share
-from .common.errors import UserError
 from .distributed import Dist
 
 # Each rank keeps its own BatchNorm statistics (averaged before use: steps.PartStats) instead of DDP re-sending

@@ -4,7 +4,7 @@ before it saves anything."""
 import torch
 from torch import nn
 
-from .common.errors import UserError
+from ..common.errors import UserError
 
 
 class Diverged(UserError):

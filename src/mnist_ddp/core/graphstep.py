@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..common.config import Recipe, TrainConfig
 from . import compute, flatopt, schedule
 from .batches import DeviceData, ShardedBatches, StepBatches
-from .common.config import Recipe, TrainConfig
 from .compute import autocast
 from .distributed import Dist
 from .state import Training

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .common.errors import UserError
+from ..common.errors import UserError
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..common import timing
 from .batches import ShardedBatches
-from .common import timing
 from .compute import autocast
 from .distributed import Dist
 

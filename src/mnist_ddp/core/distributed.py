@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .common import errors, untrusted
-from .common.errors import UserError
-from .joining import membership, rendezvous
-from .joining.heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat, beats_prefix
-from .joining.identity import Identity
-from .joining.membership import Credentials
+from ..common import errors, untrusted
+from ..common.errors import UserError
+from ..joining import membership, rendezvous
+from ..joining.heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat, beats_prefix
+from ..joining.identity import Identity
+from ..joining.membership import Credentials
 
 T = TypeVar("T")
 LEAVE_S = 2.0  # after an error, how long closing the process group may take before the rank leaves it open

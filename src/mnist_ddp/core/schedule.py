@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..common.config import Recipe
 from . import compute
-from .common.config import Recipe
 
 WARMUP = 0.25  # OneCycleLR's pct_start
 START_DIV, FINAL_DIV = 25.0, 1e4  # OneCycleLR's div_factor and final_div_factor
