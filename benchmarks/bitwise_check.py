@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mnist_ddp import checkpoint
 from mnist_ddp.joining import identity
+from mnist_ddp.outputs import checkpoint
 
 RECIPE = ["--dataset", "synthetic", "--train-samples", "960", "--test-samples", "100", "--epochs", "2",
           "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--scheduler", "none", "--amp", "off",

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import checkpoint
 from mnist_ddp.common import atomic
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.core import schedule, state
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import checkpoint
 
 
 def payload() -> dict:

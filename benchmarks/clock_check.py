@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnist_ddp import timeline
 from mnist_ddp.core import distributed
 from mnist_ddp.core.reduction import MeanReduction, comm_hook
 from mnist_ddp.joining import rendezvous
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import timeline
 
 
 class Both:

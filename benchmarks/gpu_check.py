@@ -236,7 +236,7 @@ def part_share(c: Check) -> dict[str, Any]:
 
 def part_replay(c: Check) -> dict[str, Any]:
     sys.path.insert(0, str(SRC))
-    from mnist_ddp import checkpoint
+    from mnist_ddp.outputs import checkpoint
 
     flags = ["--optimizer", "sgd", "--amp", "off", "--deterministic"]
     runs = {step: c.train(f"replay-{step}", *flags, "--graph-step", step, samples=c.args.replay_samples, epochs=1)

@@ -71,9 +71,10 @@ def _fork_launch(cfg: Any) -> None:
 
     import torch.multiprocessing as mp
 
-    from mnist_ddp import launch, outdir
+    from mnist_ddp import launch
     from mnist_ddp.common import console
     from mnist_ddp.joining import rendezvous
+    from mnist_ddp.outputs import outdir
 
     with outdir.claim(Path(cfg.out), False), console.relay() as output:
         store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=cfg.timeout))

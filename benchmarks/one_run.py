@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from mnist_ddp import checkpoint
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.joining import identity
+from mnist_ddp.outputs import checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 SGD = ["--dataset", "synthetic", "--test-samples", "500", "--batch-size", "25", "--optimizer", "sgd", "--lr", "0.05",

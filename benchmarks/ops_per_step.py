@@ -26,7 +26,7 @@ from mnist_ddp.core.compute import sync
 from mnist_ddp.core.distributed import Dist, pick_device
 from mnist_ddp.data import datasets
 from mnist_ddp.model import ConvNet
-from mnist_ddp.report import Reporter
+from mnist_ddp.outputs.report import Reporter
 from mnist_ddp.trainer import Trainer
 
 BATCH = 100

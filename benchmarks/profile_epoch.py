@@ -20,7 +20,6 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp import timeline
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.core import compute, ddp, distributed, reduction, schedule
 from mnist_ddp.core.batches import ShardedBatches
@@ -28,6 +27,7 @@ from mnist_ddp.core.compute import autocast
 from mnist_ddp.data import datasets
 from mnist_ddp.joining import identity, rendezvous
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import timeline
 
 PHASES = ("data", "forward", "backward", "all-reduce", "optimizer")
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkpoint_cost import payload
-from mnist_ddp import checkpoint
 from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.outputs import checkpoint
 
 
 def _old(d: distributed.Dist, value: object) -> object:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from mnist_ddp import checkpoint
+from mnist_ddp.outputs import checkpoint
 from netns import netns_pair
 from procfs import MARK, describe, marked_env, marked_pids, spawned_workers, start
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mnist_ddp import checkpoint
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.outputs import checkpoint
 from strict_skips import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 # The suite proves the CPU path (gloo, CPU worker processes): on a machine with GPUs it must prove the same, so

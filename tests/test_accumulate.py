@@ -20,12 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
-from mnist_ddp import checkpoint
 from mnist_ddp.core import ddp, reduction
 from mnist_ddp.core.batches import Share, StepBatches, epoch_order, model_input, padded
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.core.steps import PartStats, accumulate
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import checkpoint
 from procfs import finish, marked_env, reaped, start
 
 N, BATCH, SLOTS = 203, 8, 4  # 51 samples per slot: 7 steps, the last of 3 samples per slot

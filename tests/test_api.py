@@ -20,7 +20,8 @@ from PIL import Image
 
 import mnist_ddp
 from conftest import cli_env, tiny
-from mnist_ddp import UserError, api, checkpoint, cli
+from mnist_ddp import UserError, api, cli
+from mnist_ddp.outputs import checkpoint
 
 COMMANDS = {"train": mnist_ddp.train, "evaluate": mnist_ddp.evaluate, "predict": mnist_ddp.predict}
 SMALL = {"dataset": "synthetic", "train_samples": 400, "test_samples": 100, "epochs": 1}  # a run of seconds

@@ -28,7 +28,8 @@ import pytest
 
 from conftest import cli_env, metrics, progress, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 from netns import netns_pair
 from procfs import finish, marked_env, reaped, start
 

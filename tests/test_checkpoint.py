@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mnist_ddp import checkpoint
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import checkpoint
 from test_integrity import _flip, _tensor_span
 
 

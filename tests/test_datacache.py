@@ -16,9 +16,9 @@ import torch
 
 from conftest import TINY, cli_env, run_cli
 from datafiles import ONE_THREAD, one_thread
-from mnist_ddp import checkpoint
 from mnist_ddp.common.config import DataConfig
 from mnist_ddp.data import datasets, synthetic
+from mnist_ddp.outputs import checkpoint
 
 SEEDS = datasets.SYNTHETIC_SEEDS
 FILES = {f"{split}-{n}-seed{SEEDS[split]}-{part}{digest}" for split, n in (("train", 800), ("test", 200))

@@ -12,11 +12,12 @@ import torch
 
 from conftest import FASHION, HAS_T10K, MNIST_T10K
 from datafiles import one_thread
-from mnist_ddp import cli, export, model_file
+from mnist_ddp import cli
 from mnist_ddp.common.config import DataConfig
 from mnist_ddp.core.batches import model_input
 from mnist_ddp.data import datasets, synthetic
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import export, model_file
 
 pytest.importorskip("onnxruntime")  # the dev extra installs the onnx extra's packages
 import onnx

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import cli_env, metrics, progress, tiny
-from mnist_ddp import checkpoint
 from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.outputs import checkpoint
 from procfs import (
     children,
     describe,

@@ -33,10 +33,11 @@ from PIL import Image
 from conftest import tiny
 from datafiles import write_idx
 from fuzzing import MEMORY, Outcome, Runner, broken, fingerprint, make_fifo, make_socket
-from mnist_ddp import checkpoint, cli, model_file
+from mnist_ddp import cli
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.data import synthetic
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import checkpoint, model_file
 
 CI_EXAMPLES = 25
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", CI_EXAMPLES))

@@ -35,7 +35,7 @@ from mnist_ddp.core.batches import Share
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.data import datasets
 from mnist_ddp.joining.identity import without_launcher_vars
-from mnist_ddp.report import Reporter
+from mnist_ddp.outputs.report import Reporter
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_faults import HANG, _last_error, _train
 

@@ -15,10 +15,11 @@ from PIL import Image
 
 from conftest import MNIST_T10K, TRAINED_TEST_SAMPLES, cli_env, metrics, needs_t10k
 from datafiles import ONE_THREAD, one_thread, write_idx
-from mnist_ddp import checkpoint, cli, model_file
+from mnist_ddp import cli
 from mnist_ddp.core.batches import MEAN, STD
 from mnist_ddp.data import idx, images, synthetic
 from mnist_ddp.model import ConvNet
+from mnist_ddp.outputs import checkpoint, model_file
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,8 @@ import torch
 
 from conftest import run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 
 ARGS = [*tiny(800, 200, epochs=2), "--checkpoint-every", "4"]  # 8 steps per epoch: 4 saves, the last two kept
 

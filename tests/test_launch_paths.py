@@ -6,7 +6,7 @@ from pathlib import Path
 
 from conftest import metrics, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint
+from mnist_ddp.outputs import checkpoint
 
 REQUIRED = {"epoch", "train_loss", "test_loss", "test_accuracy", "images_per_second", "epoch_seconds", "lr",
             "world_size"}

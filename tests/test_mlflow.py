@@ -16,7 +16,8 @@ import pytest
 
 from conftest import cli_env, metrics, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import cli, tracking
+from mnist_ddp import cli
+from mnist_ddp.outputs import tracking
 from test_stops import DIVERGING
 
 pytest.importorskip("mlflow")  # the dev extra installs the mlflow extra's packages

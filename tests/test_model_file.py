@@ -13,10 +13,11 @@ import torch
 
 from conftest import TRAINED_TEST_SAMPLES, metrics
 from datafiles import one_thread, write_idx
-from mnist_ddp import checkpoint, cli, model_file
+from mnist_ddp import cli
 from mnist_ddp.common.results import Run
 from mnist_ddp.core.batches import MEAN, STD
 from mnist_ddp.data import synthetic
+from mnist_ddp.outputs import checkpoint, model_file
 from test_untrusted import _torch_file
 
 pytest.importorskip("safetensors")  # the dev extra installs it

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import cli_env, metrics, progress, tiny
-from mnist_ddp import checkpoint
+from mnist_ddp.outputs import checkpoint
 from netns import netns_pair
 from procfs import (
     children,

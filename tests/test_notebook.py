@@ -25,7 +25,8 @@ from nbclient import NotebookClient
 from nbformat import NotebookNode
 
 from conftest import REPO, cli_env
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 from procfs import marked_env, marked_pids, needs_proc, reaped, spawned_workers
 from venvs import fresh_venv
 

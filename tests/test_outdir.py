@@ -24,11 +24,12 @@ from PIL import Image
 
 from conftest import metrics, progress, tiny
 from datafiles import one_thread
-from mnist_ddp import checkpoint, cli, outdir
+from mnist_ddp import cli
 from mnist_ddp.common import config
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError, WriteFailed
-from mnist_ddp.report import Reporter
+from mnist_ddp.outputs import checkpoint, outdir
+from mnist_ddp.outputs.report import Reporter
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for
 from test_faults import HANG, _temp_files, _train
 

@@ -21,8 +21,9 @@ from PIL import Image
 
 from conftest import run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli, timeline
-from mnist_ddp.timeline import COLOURS, PHASES, split_steps
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint, timeline
+from mnist_ddp.outputs.timeline import COLOURS, PHASES, split_steps
 
 
 def _train(out: Path, tmp_path: Path, *extra: str, samples: int = 800) -> str:

@@ -17,7 +17,8 @@ import torch
 
 from conftest import cli_env, metrics, progress, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 
 EPOCHS = ["--epochs", "2"]
 ARGS = [*tiny(epochs=None), *EPOCHS]  # 800 images: 8 steps per epoch

@@ -10,8 +10,8 @@ import torch
 
 from conftest import metrics, progress, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint
 from mnist_ddp.common.config import RESUME_MUST_MATCH
+from mnist_ddp.outputs import checkpoint
 from procfs import MARK, marked_env, needs_proc, reaped
 
 HANG = 300  # seconds: a hang detector only; these runs take seconds

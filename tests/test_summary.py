@@ -2,12 +2,12 @@
 
 import torch
 
-from mnist_ddp import summary
 from mnist_ddp.common.config import TrainConfig, recipe
 from mnist_ddp.core.batches import Share
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.core.evaluation import EvalResult
 from mnist_ddp.core.state import Progress
+from mnist_ddp.outputs import summary
 
 CPU = torch.device("cpu")
 

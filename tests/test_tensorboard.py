@@ -10,7 +10,8 @@ import pytest
 
 from conftest import metrics, run_cli, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 
 pytest.importorskip("tensorboard")  # the `dev` extra installs it
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -126,7 +126,7 @@ def evaluate(checkpoint: str | os.PathLike, **options: Any) -> Evaluation:
     prints them."""
     cfg = cli.configure(command_line("evaluate", options, (str(checkpoint),)))
     assert isinstance(cfg, EvalConfig)
-    from . import infer
+    from .outputs import infer
 
     return infer.evaluation(cfg)
 
@@ -139,8 +139,8 @@ def predict(checkpoint: str | os.PathLike, inputs: Any, **options: Any) -> list[
     import torch
     from PIL import Image
 
-    from . import infer
     from .data import images
+    from .outputs import infer
 
     items = list(inputs) if isinstance(inputs, list | tuple) else [inputs]
     for i, item in enumerate(items):

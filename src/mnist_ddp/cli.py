@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import tracking
 from .common import extras
 from .common.config import (
     AMP,
@@ -39,6 +38,7 @@ from .common.config import (
 )
 from .common.errors import UserError, last_word
 from .joining import identity
+from .outputs import tracking
 
 PROFILE_STEPS = 5  # what a bare --profile profiles
 
@@ -323,10 +323,10 @@ def _dispatch(argv: list[str]) -> int:
         return bench.run(cfg)
     if isinstance(cfg, ExportConfig):
         extras.require("export --onnx", ("onnx", "onnxscript", "onnxruntime"), "onnx")
-        from . import export
+        from .outputs import export
 
         return export.run(cfg)
-    from . import infer
+    from .outputs import infer
 
     return infer.run_evaluate(cfg) if isinstance(cfg, EvalConfig) else infer.run_predict(cfg)
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, regroup, successor
+from . import regroup, successor
 from .common import untrusted
 from .common.config import TrainConfig, run_settings
 from .common.errors import UserError
@@ -32,7 +32,8 @@ from .joining import membership, rendezvous
 from .joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from .joining.identity import Identity
 from .lossplan import LossPlan
-from .report import Reporter
+from .outputs import checkpoint
+from .outputs.report import Reporter
 from .snapshot import Snapshots
 
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.

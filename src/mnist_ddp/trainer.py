@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import recovery, saving, summary
+from . import recovery
 from .common import timing
 from .common.config import TrainConfig
 from .core import compute, ddp, divergence, graphstep, reduction, schedule, state
@@ -24,10 +24,11 @@ from .core.state import Progress, Stretch
 from .core.steps import PartStats, slot_step, train_step
 from .data import datasets
 from .model import ConvNet
+from .outputs import saving, summary
+from .outputs.report import Reporter
+from .outputs.timeline import StepProfiler
 from .recovery import Grow, Recovery
-from .report import Reporter
 from .snapshot import Snapshots
-from .timeline import StepProfiler
 
 
 class Stepped(NamedTuple):

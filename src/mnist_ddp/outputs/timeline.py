@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .common import atomic
-from .core.distributed import Dist
-from .core.reduction import Reduction
+from ..common import atomic
+from ..core.distributed import Dist
+from ..core.reduction import Reduction
 from .report import Reporter, matplotlib_figure, save_figure
 
 WARMUP = 5  # steps before profiling

@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..common import atomic, console, timing
+from ..common.config import TrainConfig
+from ..common.results import read_jsonl
 from . import tracking
-from .common import atomic, console, timing
-from .common.config import TrainConfig
-from .common.results import read_jsonl
 from .tb import TensorBoard
 
 T = TypeVar("T")

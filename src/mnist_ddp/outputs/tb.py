@@ -10,7 +10,7 @@ pay its import (~0.25 s).
 from pathlib import Path
 from typing import Any
 
-from .common import extras
+from ..common import extras
 
 # The metrics.jsonl keys that also become per-epoch scalars, under "epoch/<key>".
 EPOCH_SCALARS = ("train_loss", "test_loss", "test_accuracy", "lr", "images_per_second")

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common import atomic
+from ..common.config import ExportConfig
+from ..common.errors import UserError, WriteFailed
+from ..core.batches import MEAN, STD, model_input
+from ..data import synthetic
 from . import infer, model_file
-from .common import atomic
-from .common.config import ExportConfig
-from .common.errors import UserError, WriteFailed
-from .core.batches import MEAN, STD, model_input
-from .data import synthetic
 
 OPSET = 18
 INPUT, OUTPUT = "pixels", "logits"

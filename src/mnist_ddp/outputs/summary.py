@@ -5,12 +5,12 @@ from typing import Any
 
 import torch
 
-from .common.config import TrainConfig
-from .core.batches import Share
-from .core.distributed import Dist
-from .core.evaluation import EvalResult
-from .core.state import Progress
-from .data.datasets import Dataset
+from ..common.config import TrainConfig
+from ..core.batches import Share
+from ..core.distributed import Dist
+from ..core.evaluation import EvalResult
+from ..core.state import Progress
+from ..data.datasets import Dataset
 
 
 def data_line(data: Dataset) -> str:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import torch
 
+from ..common import inputfile
+from ..common.config import AMP, DATASETS, EvalConfig, Known, PredictConfig
+from ..common.errors import UserError
+from ..common.results import Evaluation, Prediction
+from ..core import compute
+from ..core.batches import ShardedBatches, model_input
+from ..core.distributed import Dist, pick_device
+from ..core.evaluation import evaluate
+from ..data import datasets, idx, images
 from . import model_file
-from .common import inputfile
-from .common.config import AMP, DATASETS, EvalConfig, Known, PredictConfig
-from .common.errors import UserError
-from .common.results import Evaluation, Prediction
-from .core import compute
-from .core.batches import ShardedBatches, model_input
-from .core.distributed import Dist, pick_device
-from .core.evaluation import evaluate
-from .data import datasets, idx, images
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from .common import atomic, inputfile, interrupts
-from .common.errors import UserError
+from ..common import atomic, inputfile, interrupts
+from ..common.errors import UserError
 
 FORMAT = "mnist-ddp/2"  # carries a digest
 UNVERIFIED = "mnist-ddp/1"  # saved before digests: still loads, unverified, like a stranger's state_dict

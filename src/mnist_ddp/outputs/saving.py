@@ -9,17 +9,17 @@ from typing import Any
 
 import torch
 
+from ..common import inputfile
+from ..common.config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
+from ..common.errors import UserError
+from ..core import schedule
+from ..core.batches import Share
+from ..core.distributed import Dist
+from ..core.evaluation import EvalResult
+from ..core.state import Progress, Training
+from ..core.steps import running_stats
+from ..model import ConvNet
 from . import checkpoint, model_file
-from .common import inputfile
-from .common.config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
-from .common.errors import UserError
-from .core import schedule
-from .core.batches import Share
-from .core.distributed import Dist
-from .core.evaluation import EvalResult
-from .core.state import Progress, Training
-from .core.steps import running_stats
-from .model import ConvNet
 
 
 @dataclass

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import atomic, extras, inputfile, untrusted
-from .common.config import TrainConfig
-from .common.errors import UserError
+from ..common import atomic, extras, inputfile, untrusted
+from ..common.config import TrainConfig
+from ..common.errors import UserError
 
 RUN_FILE = "mlflow-run.json"  # the MLflow run this folder's run logs to
 ARTIFACTS = ("curves.png", "confusion.png", "model.safetensors", "metrics.jsonl", "steps.jsonl")

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-from .common.errors import UserError
-from .common.inputfile import shown
+from ..common.errors import UserError
+from ..common.inputfile import shown
 
 LOCK = ".lock"  # hidden, and not an output
 # Every name a run writes in its folder: a folder holding any of them holds a run, which only --resume continues.

@@ -18,11 +18,11 @@ import safetensors
 import safetensors.torch
 import torch
 
+from ..common import atomic, inputfile
+from ..common.errors import UserError
+from ..core.batches import MEAN, STD
+from ..model import ConvNet
 from . import checkpoint
-from .common import atomic, inputfile
-from .common.errors import UserError
-from .core.batches import MEAN, STD
-from .model import ConvNet
 
 NAME = "model.safetensors"
 SUFFIX = ".safetensors"
