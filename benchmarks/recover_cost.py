@@ -21,7 +21,7 @@ from mnist_ddp.core import schedule, state
 from mnist_ddp.core.batches import Share
 from mnist_ddp.core.steps import PartStats
 from mnist_ddp.model import ConvNet
-from mnist_ddp.snapshot import Snapshots
+from mnist_ddp.recovery.snapshot import Snapshots
 
 
 def snapshot_us(repeats: int = 2000) -> float:

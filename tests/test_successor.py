@@ -16,10 +16,10 @@ from contextlib import suppress
 import pytest
 
 from conftest import cli_env
-from mnist_ddp import successor
 from mnist_ddp.core.distributed import PeerFailure
 from mnist_ddp.joining import membership
 from mnist_ddp.joining.identity import Identity
+from mnist_ddp.recovery import successor
 from procfs import free_port
 
 SECRET, RUN = b"the job's secret", {"seed": "3", "world": "2"}

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import recovery
 from .common import timing
 from .common.config import TrainConfig
 from .core import compute, ddp, divergence, graphstep, reduction, schedule, state
@@ -27,8 +26,9 @@ from .model import ConvNet
 from .outputs import saving, summary
 from .outputs.report import Reporter
 from .outputs.timeline import StepProfiler
-from .recovery import Grow, Recovery
-from .snapshot import Snapshots
+from .recovery import recovery
+from .recovery.recovery import Grow, Recovery
+from .recovery.snapshot import Snapshots
 
 
 class Stepped(NamedTuple):

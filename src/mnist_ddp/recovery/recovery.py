@@ -19,21 +19,21 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ..common import untrusted
+from ..common.config import TrainConfig, run_settings
+from ..common.errors import UserError
+from ..core import distributed
+from ..core.batches import ShardedBatches, Share, StepBatches
+from ..core.distributed import Dist, PeerFailure
+from ..core.state import Progress, Stretch, Training
+from ..core.steps import PartStats
+from ..joining import membership, rendezvous
+from ..joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
+from ..joining.identity import Identity
+from ..outputs import checkpoint
+from ..outputs.report import Reporter
 from . import regroup, successor
-from .common import untrusted
-from .common.config import TrainConfig, run_settings
-from .common.errors import UserError
-from .core import distributed
-from .core.batches import ShardedBatches, Share, StepBatches
-from .core.distributed import Dist, PeerFailure
-from .core.state import Progress, Stretch, Training
-from .core.steps import PartStats
-from .joining import membership, rendezvous
-from .joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
-from .joining.identity import Identity
 from .lossplan import LossPlan
-from .outputs import checkpoint
-from .outputs.report import Reporter
 from .snapshot import Snapshots
 
 # Tests only: "S": where step S + 1 first begins, a smaller world waits (up to --timeout) for a replacement.

@@ -15,12 +15,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .common import untrusted
-from .common.errors import UserError
-from .core.distributed import Dist, PeerFailure
-from .joining import membership, rendezvous
-from .joining.heartbeat import BEAT_WAIT_S, bounded, gone
-from .joining.identity import Identity
+from ..common import untrusted
+from ..common.errors import UserError
+from ..core.distributed import Dist, PeerFailure
+from ..joining import membership, rendezvous
+from ..joining.heartbeat import BEAT_WAIT_S, bounded, gone
+from ..joining.identity import Identity
 
 CHALLENGES = "mnist_ddp/successor/challenges"  # a queue: each survivor pushes a random token onto it
 PROOF = "mnist_ddp/successor/proof/"  # + a token: the standby's answer, an HMAC with the job's secret

@@ -1,0 +1,7 @@
+"""`--recover`: survivors of a lost rank agree through the store and re-form the process group in place (`recovery`),
+from the in-memory copy of each step's starting state (`snapshot`), handing each other what the lost rank held
+(`regroup`); on several nodes, the standby store that takes over when node 0's launcher is lost (`successor`); and
+the losses tests plant at exact points of the loop (`lossplan`).
+
+An extension: the loop makes one call into it when an epoch fails, and a run without `--recover` never enters it.
+It imports `common`, `joining`, `core` and `outputs`."""
