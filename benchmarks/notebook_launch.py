@@ -71,9 +71,9 @@ def _fork_launch(cfg: Any) -> None:
 
     import torch.multiprocessing as mp
 
-    from mnist_ddp import launch
     from mnist_ddp.common import console
     from mnist_ddp.joining import rendezvous
+    from mnist_ddp.launchers import launch
     from mnist_ddp.outputs import outdir
 
     with outdir.claim(Path(cfg.out), False), console.relay() as output:

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from conftest import run_cli, tiny
-from mnist_ddp import cli, launch
+from mnist_ddp import cli
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.joining.identity import without_launcher_vars
+from mnist_ddp.launchers import launch
 from mnist_ddp.model import ConvNet
 from mnist_ddp.outputs import checkpoint
 from procfs import finish, free_port, marked_env, reaped, start

@@ -526,7 +526,8 @@ def test_ctrl_c_while_a_worker_is_being_started_ends_it_as_interrupted(tmp_path:
 def _report_while_joined(local_rank: int, port: int, out: str, seen: str) -> None:
     """A rank of a `-g 2` job (as launch.spawn starts one) whose rank 0 refuses an --out that holds a run: every
     rank's error is reported through `report`, which writes down whether the rank was still in the group."""
-    from mnist_ddp import cli, launch
+    from mnist_ddp import cli
+    from mnist_ddp.launchers import launch
 
     cfg = cli.configure(["train", *tiny(), "--out", out])
     ident = identity.spawned(0, local_rank, 2, 1, "127.0.0.1", port)

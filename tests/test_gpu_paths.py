@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, forkserver, trainer
+from mnist_ddp import cli, trainer
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.core import compute, ddp, distributed, divergence, graphstep
@@ -35,6 +35,7 @@ from mnist_ddp.core.batches import Share
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.data import datasets
 from mnist_ddp.joining.identity import without_launcher_vars
+from mnist_ddp.launchers import forkserver
 from mnist_ddp.outputs.report import Reporter
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_faults import HANG, _last_error, _train

@@ -265,7 +265,7 @@ for name in ("_cuda_getDeviceCount", "_cuda_init"):
 from mnist_ddp import forkserver
 for module in forkserver.PRELOAD:
     importlib.import_module(module)
-print(calls, torch.cuda.is_initialized(), "mnist_ddp.launch" in sys.modules)
+print(calls, torch.cuda.is_initialized(), "mnist_ddp.launchers.launch" in sys.modules)
 torch.cuda.is_available()
 print(calls)
 """

@@ -26,11 +26,11 @@ import torch
 
 from conftest import metrics, progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
-from mnist_ddp import launch
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.core.distributed import Dist, PeerFailure
 from mnist_ddp.joining.identity import Identity
+from mnist_ddp.launchers import launch
 from mnist_ddp.outputs import checkpoint
 from mnist_ddp.recovery import lossplan, recovery
 from netns import netns_pair

@@ -16,9 +16,9 @@ import pytest
 from torch.multiprocessing.spawn import _wrap as torch_wrap
 
 from conftest import cli_env, tiny
-from mnist_ddp import forkserver, launch
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.joining import rendezvous
+from mnist_ddp.launchers import forkserver, launch
 from procfs import finish, free_port, marked_env, reaped, socket_inodes, start, wait_for
 
 TRAIN = ["mnist_ddp", "train", *tiny(200, 50)]

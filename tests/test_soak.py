@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from mnist_ddp import launch
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.launchers import launch
 from mnist_ddp.outputs import outdir
 from procfs import children, listening_inodes, needs_proc, socket_inodes
 

@@ -27,11 +27,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import progress, tiny
-from mnist_ddp import cli, launch
+from mnist_ddp import cli
 from mnist_ddp.common.errors import UserError, WriteFailed
 from mnist_ddp.core import distributed
 from mnist_ddp.core.distributed import PeerFailure
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.launchers import launch
 from mnist_ddp.model import ConvNet
 from mnist_ddp.outputs import checkpoint
 from procfs import finish, free_port, marked_env, needs_proc, reaped, start, wait_for

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import launch, tutorial
+from . import tutorial
 from .common.config import BenchConfig, DataConfig
 from .common.errors import UserError
 from .data import datasets
 from .joining import rendezvous
 from .joining.identity import without_launcher_vars
+from .launchers import launch
 
 
 class BenchFailed(UserError):

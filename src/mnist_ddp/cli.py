@@ -303,10 +303,10 @@ def run_train(cfg: TrainConfig, began: float | None = None) -> int:
     """Train as this process was started (alone, -g's children, or a rank of torchrun/srun/mpirun); the exit code.
     `began`: when the command started (`time.time()`), for the run's `time:` line; default: this process's start."""
     if cfg.gpus > 1:  # the children's fork server imports torch while this process does (forkserver.py)
-        from . import forkserver
+        from .launchers import forkserver
 
         forkserver.start()
-    from .launch import launch
+    from .launchers.launch import launch
 
     return launch(cfg, began)
 

@@ -15,7 +15,7 @@ import time
 
 # What every child needs before its first step: the package (torch with it) and torch._dynamo; last, what makes
 # every child hold Ctrl-C until it can unwind (forkserver_preload.py).
-PRELOAD = ["mnist_ddp.launch", "torch._dynamo", "mnist_ddp.forkserver_preload"]
+PRELOAD = ["mnist_ddp.launchers.launch", "torch._dynamo", "mnist_ddp.launchers.forkserver_preload"]
 
 
 def start() -> None:

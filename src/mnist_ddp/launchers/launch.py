@@ -33,17 +33,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import forkserver, trainer
-from .common import console, errors, timing
-from .common.config import TrainConfig, run_settings
-from .common.errors import UserError
-from .core import compute, distributed, divergence
-from .core.distributed import Dist, PeerFailure
-from .joining import heartbeat, identity, rendezvous
-from .joining.identity import Identity
-from .joining.membership import Credentials
-from .outputs import checkpoint, outdir, tb, tracking
-from .recovery import recovery, successor
+from .. import trainer
+from ..common import console, errors, timing
+from ..common.config import TrainConfig, run_settings
+from ..common.errors import UserError
+from ..core import compute, distributed, divergence
+from ..core.distributed import Dist, PeerFailure
+from ..joining import heartbeat, identity, rendezvous
+from ..joining.identity import Identity
+from ..joining.membership import Credentials
+from ..outputs import checkpoint, outdir, tb, tracking
+from ..recovery import recovery, successor
+from . import forkserver
 
 GRACE_S = 10.0  # how long stopped children get to unwind before they are killed
 SETTLE_S = 1.0  # after one child failed, how long the others get to end by themselves (their message: the same)
