@@ -40,10 +40,12 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 train: $(VENV)/.plot
 	$(BIN)/mnist-ddp train --dataset auto $(ARGS)
 
-# ruff, and mypy over src/ (pyproject.toml's [tool.mypy]): the annotations are checked, not only written.
+# ruff; mypy over src/ (pyproject.toml's [tool.mypy]): the annotations are checked, not only written; and
+# import-linter: each folder of src/mnist_ddp imports only the layers below it ([tool.importlinter]).
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # pytest's exit code 5 ("no tests ran") is a failure here, never a silent pass.
 test: lint

@@ -1,44 +1,48 @@
 """The package's shape, which readers rely on: imports run one way, and each DDP essential sits in one place."""
 
-import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import mnist_ddp
 
 PACKAGE = Path(mnist_ddp.__file__).parent
+REPO = PACKAGE.parents[1]
 BASELINE = {"tutorial", "lesson"}  # the tutorial's pipeline (bench's baseline) and lesson 0: their own DDP on purpose
 
 
-def _imports() -> dict[str, set[str]]:
-    """module -> the package's modules it imports (at any depth of the file)."""
-    graph: dict[str, set[str]] = {}
-    modules = {p.stem for p in PACKAGE.rglob("*.py")}
-    for path in PACKAGE.rglob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                named = node.module.split(".") if node.module else []
-                found |= {named[-1]} if named and named[-1] in modules else {a.name for a in node.names}
-        graph.setdefault(path.stem, set()).update(found & modules - {"__init__"})
-    return graph
+def _lint_imports(src: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """import-linter with pyproject.toml's contracts over the package under `src`."""
+    if cwd != REPO:
+        shutil.copy(REPO / "pyproject.toml", cwd / "pyproject.toml")
+    return subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True, timeout=120)
 
 
-def test_imports_form_no_cycle() -> None:
-    graph, done, path = _imports(), set(), []
+def test_the_layers_hold() -> None:
+    """Each folder imports only the layers below it ([tool.importlinter]; also run by `make lint`)."""
+    r = _lint_imports(REPO / "src", REPO)
+    assert r.returncode == 0 and "1 kept, 0 broken" in r.stdout, r.stdout + r.stderr
 
-    def visit(module: str) -> None:
-        assert module not in path, "import cycle: " + " -> ".join([*path[path.index(module):], module])
-        if module in done:
-            return
-        path.append(module)
-        for imported in graph.get(module, ()):
-            visit(imported)
-        path.pop()
-        done.add(module)
 
-    for module in graph:
-        visit(module)
+@pytest.mark.parametrize(("module", "upward"), [
+    ("core/state.py", "from ..outputs import checkpoint"),  # the training state reaching for its save
+    ("data/datasets.py", "from ..core import batches"),  # siblings: data never imports the DDP program
+    ("common/errors.py", "from .. import model"),  # siblings at the bottom
+])
+def test_an_import_against_the_layers_breaks_the_contract(tmp_path: Path, module: str, upward: str) -> None:
+    """The contract can fail: one upward (or sideways) import in a copy of the package is reported, by name."""
+    shutil.copytree(PACKAGE, tmp_path / "src" / "mnist_ddp", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "src" / "mnist_ddp" / module
+    target.write_text(target.read_text() + f"\n{upward}\n")
+    r = _lint_imports(tmp_path / "src", tmp_path)
+    importer = "mnist_ddp." + module.removesuffix(".py").replace("/", ".")
+    assert r.returncode == 1 and "BROKEN" in r.stdout and importer in r.stdout, r.stdout + r.stderr
 
 
 def test_each_ddp_essential_is_written_once() -> None:
