@@ -43,7 +43,8 @@ def test_buffers_stay_per_rank_while_training_and_are_averaged_on_request(tmp_pa
             assert torch.equal(value, r0["before"][key])  # num_batches_tracked: the 3 steps trained
 
 
-SHARE = ("import json, os, sys, torch; from mnist_ddp import compute; compute.share_cores(*map(int, sys.argv[1:])); "
+SHARE = ("import json, os, sys, torch; from mnist_ddp.core import compute; "
+         "compute.share_cores(*map(int, sys.argv[1:])); "
          "print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()]))")
 
 

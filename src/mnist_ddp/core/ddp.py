@@ -31,12 +31,14 @@ def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = Fa
     if d.world_size > 1 or always:
         if sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        # One bucket for the 29k parameters, no gradient copies, and no per-step bookkeeping for a graph that
-        # never changes (not with no_sync: docs/design/ddp-settings.md).
+        # Each setting that is not DDP's default, in one line (measured and argued: docs/design/ddp-settings.md).
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                        gradient_as_bucket_view=not keep_grads, static_graph=not accumulating, bucket_cap_mb=1,
-                        **NO_BUFFER_SYNC)
+            model = DDP(model,
+                        device_ids=[d.device.index] if d.device.type == "cuda" else None,  # this rank's GPU
+                        bucket_cap_mb=1,  # all 29k gradients in one bucket: one all-reduce per step, not several
+                        gradient_as_bucket_view=not keep_grads,  # .grad is a view of the bucket: nothing copied
+                        static_graph=not accumulating,  # no per-step bookkeeping; never with no_sync (torch bugs)
+                        **NO_BUFFER_SYNC)  # no broadcast of rank 0's BatchNorm buffers before every forward
         if hook is not None:
             model.register_comm_hook(hook, reduction.comm_hook)
     return cast(nn.Module, torch.compile(model)) if compile else model
