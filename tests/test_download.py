@@ -187,7 +187,7 @@ def test_fetch_keeps_the_old_file_on_failure(tmp_path: Path, server: Server) -> 
 # A child process asking for the data, as a rank does at start.
 _CHILD = """
 import sys
-from mnist_ddp import datasets
+from mnist_ddp.data import datasets
 from mnist_ddp.common.config import DataConfig
 datasets.SOURCES["mnist"] = datasets.Source(**eval(sys.argv[1]))
 data = datasets.load(DataConfig("mnist", mirrors=(sys.argv[2],), download_timeout=float(sys.argv[3])))

@@ -406,7 +406,7 @@ def _leave_a_frozen_peer(rank: int, port: int, said: str) -> None:
     """Rank 1 waits in an all-reduce that rank 0 never joins, then leaves the group as after an error, and writes
     what teardown returned to `said`; rank 0, frozen as far as the group can tell, stays until then."""
     torch.set_num_threads(1)
-    distributed.setup(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
+    distributed.join(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
     if rank == 0:
         wait_for("rank 1 to leave", Path(said).exists, HANG)
     else:
@@ -497,7 +497,8 @@ def test_sigterm_to_the_group_returns_only_when_every_worker_has_ended(tmp_path:
 
 CTRL_C_AT_FORK = """
 import multiprocessing, signal, sys
-from mnist_ddp import cli, forkserver, launch
+from mnist_ddp import cli
+from mnist_ddp.launchers import forkserver, launch
 
 class CtrlC:  # unpickled in the child with the other arguments, before launch._spawned runs: Ctrl-C then
     def __reduce__(self):
@@ -552,7 +553,9 @@ def test_a_rank_reports_its_error_before_it_leaves_the_group(tmp_path: Path) -> 
 
 STILL_CLOSING = """
 import atexit, sys
-from mnist_ddp import cli, distributed, launch
+from mnist_ddp import cli
+from mnist_ddp.core import distributed
+from mnist_ddp.launchers import launch
 from mnist_ddp.joining.identity import Identity
 distributed.teardown = lambda together: False  # as when a dead peer holds the group's threads past LEAVE_S
 atexit.register(lambda: print("the interpreter's exit ran", flush=True))

@@ -262,7 +262,7 @@ for name in ("is_available", "device_count", "init", "_lazy_init", "current_devi
     spy(torch.cuda, name)
 for name in ("_cuda_getDeviceCount", "_cuda_init"):
     spy(torch._C, name)
-from mnist_ddp import forkserver
+from mnist_ddp.launchers import forkserver
 for module in forkserver.PRELOAD:
     importlib.import_module(module)
 print(calls, torch.cuda.is_initialized(), "mnist_ddp.launchers.launch" in sys.modules)

@@ -63,7 +63,8 @@ def _assert_trained_only_epoch_2(stdout: str) -> None:
 _KILLED = """
 import os, signal, sys
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from mnist_ddp import checkpoint, cli
+from mnist_ddp import cli
+from mnist_ddp.outputs import checkpoint
 when, argv = sys.argv[1], sys.argv[2:]
 save, epoch_2 = checkpoint.save, []
 def die(why):

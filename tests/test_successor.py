@@ -27,7 +27,7 @@ HOSTS = """
 import json, socket, sys
 from datetime import timedelta
 import torch.distributed as dist
-from mnist_ddp import successor
+from mnist_ddp.recovery import successor
 from mnist_ddp.joining.membership import Credentials
 secret, run, timeout = sys.argv[1].encode(), json.loads(sys.argv[2]), timedelta(seconds=60)
 standbys = {"the job's launcher": successor.Standby("127.0.0.1", 2, Credentials(secret, run), timeout),

@@ -15,7 +15,7 @@ BYTES = {2: "a7d85d2208f7011a593a5be61ad16ec731ebee296e438431accd84feeac35ae0"}
 KERNELS = ["default", "avx2", "avx512"]  # ATEN_CPU_CAPABILITY's values, in the order CPUs gain them
 DIGEST = """
 import hashlib
-from mnist_ddp import idx, synthetic
+from mnist_ddp.data import idx, synthetic
 images, labels = synthetic.generate(2500, 20240601)
 print(hashlib.sha256(idx.encode(images) + idx.encode(labels)).hexdigest())
 """
