@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, results: "
     device = torch.device("cpu")
     compute.share_cores(rank, world)  # as launch.run_worker does
     ident = identity.spawned(0, rank, world, 1, "127.0.0.1", port)
-    d = distributed.setup(ident, device, None, 120)  # no heartbeat: each block starts its own
+    d = distributed.join(ident, device, None, 120)  # no heartbeat: each block starts its own
     beats = dist.PrefixStore("mnist_ddp/heartbeat", rendezvous.connect(ident, timedelta(seconds=2), joining=False))
     cfg = TrainConfig()
     amp, channels_last = compute.amp_for(cfg.recipe.amp, device), compute.channels_last_for(None, device)

@@ -2,7 +2,7 @@
 
 Runs the real pieces (ShardedBatches, ConvNet, ddp.wrap's DDP settings, schedule.build_optimizer,
 the per-device compute defaults) for a number of steps in 1 process and in G processes (gloo,
-cores shared and pinned as distributed.setup does), with a timer around each phase; on CUDA the
+cores shared and pinned as distributed.join does), with a timer around each phase; on CUDA the
 timers synchronise first. The all-reduce is timed by a DDP comm hook, from the moment the
 gradient bucket is ready until the reduced gradients are back, and taken out of backward
 (with one bucket for this tiny model nothing overlaps). Prints a table; asserts nothing.
@@ -53,7 +53,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
     compute.configure_backends(device, deterministic=False)  # cuDNN autotuning and TF32 on CUDA, as in training
     if args.threads:
         torch.set_num_threads(args.threads)
-    d = distributed.setup(identity.spawned(0, rank, world, 1, "127.0.0.1", port), device, None, 120)
+    d = distributed.join(identity.spawned(0, rank, world, 1, "127.0.0.1", port), device, None, 120)
     cfg = TrainConfig(recipe=recipe("default", amp=args.amp), channels_last=args.channels_last)
     amp, channels_last = compute.amp_for(cfg.recipe.amp, device), compute.channels_last_for(cfg.channels_last, device)
     data = _load(args.dataset)

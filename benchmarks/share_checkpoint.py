@@ -39,7 +39,7 @@ def _old(d: distributed.Dist, value: object) -> object:
 
 def _rank(rank: int, world: int, port: int, repeats: int, results: "mp.SimpleQueue") -> None:
     torch.set_num_threads(1)
-    d = distributed.setup(identity.spawned(0, rank, world, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
+    d = distributed.join(identity.spawned(0, rank, world, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
     torch.manual_seed(0)  # the same checkpoint on every rank: what arrives can be checked against it
     found = (Path("runs/x/checkpoint.pt"), payload())
     ways: dict[str, Callable[[], object]] = {

@@ -78,7 +78,7 @@ def progress(out: Path) -> dict[str, Any] | None:
 def _gloo_rank(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple) -> None:
     torch.set_num_threads(1)
     ident = identity.spawned(0, rank, world, 1, "127.0.0.1", port)
-    d = distributed.setup(ident, torch.device("cpu"), "gloo", 60)
+    d = distributed.join(ident, torch.device("cpu"), "gloo", 60)
     finished = False
     try:
         fn(d, *args)

@@ -75,7 +75,8 @@ def test_the_payloads_run_code_when_unpickled(tmp_path: Path) -> None:
 # it shares with the other ranks (`Dist.broadcast`'s bytes) is replaced by the payload.
 ROGUE_RANK0 = """
 import sys
-from mnist_ddp import cli, distributed
+from mnist_ddp import cli
+from mnist_ddp.core import distributed
 payload, nth = open(sys.argv[1], "rb").read(), int(sys.argv[2])
 honest, shared = distributed.Dist.broadcast, []
 def rogue(self, data):
@@ -170,12 +171,12 @@ def test_a_poisoned_world_size_is_passed_over_and_never_printed(monkeypatch: pyt
     joining = identity.spawned(1, 0, 1, 2, "127.0.0.1", store.port)
     store.set("mnist_ddp/world_size", b"\x1b[2J\x1b[31m2")
     with pytest.raises(UserError) as refused:
-        distributed.setup(joining, torch.device("cpu"), "gloo", 3)
+        distributed.join(joining, torch.device("cpu"), "gloo", 3)
     said = str(refused.value)
     assert "rank 0 never opened the check-in" in said and "\x1b" not in said and "\n" not in said, said
     store.set("mnist_ddp/world_size", b"3")
     with pytest.raises(UserError) as refused:
-        distributed.setup(joining, torch.device("cpu"), "gloo", 3)
+        distributed.join(joining, torch.device("cpu"), "gloo", 3)
     assert refused.value.exit_code == 2 and "node 0 started a job of 3 processes" in str(refused.value)
 
 

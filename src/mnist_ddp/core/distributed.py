@@ -1,4 +1,4 @@
-"""The process group: `setup` joins it and turns an `Identity` into the one `Dist` every launcher ends in (rank,
+"""The process group: `join` joins it and turns an `Identity` into the one `Dist` every launcher ends in (rank,
 world, device, the loop's few collectives: no-ops in one process); `teardown` leaves it, always. Ranks share
 bytes in uint8 tensors, never pickles: JSON, or a digest-checked weights-only checkpoint (docs/faults.md)."""
 
@@ -225,48 +225,34 @@ def _bytes(t: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def setup(ident: Identity, device: torch.device, backend: str | None, timeout_s: float,
-          heartbeat_s: float = 0, creds: Credentials | None = None) -> Dist:
-    """This process's `Dist` on `device`, after joining the process group when there are several ranks (nccl
-    for CUDA, gloo otherwise)."""
+def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: float, heartbeat_s: float = 0,
+         creds: Credentials | None = None) -> Dist:
+    """Join the job's process group, once per rank, and return this process's `Dist` on `device` (one process: no
+    group). The backend: nccl for CUDA, gloo otherwise. Any failure is one sentence that says who or what was
+    missing (`_Joining`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ident.world_size == 1:
         return Dist(0, ident.local_rank, 1, ident.local_world_size, device, ident.run_id)
     if device.type == "mps":
         raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-    beat, entry = join(ident, backend or ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s),
-                       heartbeat_s, creds or Credentials(), device)
-    where = entry.placed  # a replacement joins the running job's world (recovery.py)
-    return Dist(where.rank if where else ident.rank, ident.local_rank, len(where.members) if where else
-                ident.world_size, ident.local_world_size, device, ident.run_id, beat, entry)
-
-
-def join(ident: Identity, backend: str, timeout: timedelta, heartbeat_s: float, creds: Credentials,
-         device: torch.device) -> tuple[Heartbeat | None, membership.Entry]:
-    """Join the job's process group, once per rank. Returns the heartbeat (None: off) and the admission; any failure
-    is one sentence that says who or what was missing."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s)
     os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
     if backend == "nccl":
         os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
-    joining = _Joining(ident, device, timeout)
-    with joining:
-        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
-        rank, world, store = joining.admit(store, creds, heartbeat_s)  # trust, heartbeat: a reader may skip it
-        form_group(backend, store, rank, world, timeout, device)
-    assert joining.entry is not None  # admitted
-    return joining.beat, joining.entry
-
-
-def form_group(backend: str, store: dist.Store, rank: int, world: int, timeout: timedelta,
-               device: torch.device) -> None:
-    """The textbook call: this process becomes rank `rank` of `world` (also a re-formed group: recovery.py)."""
     # Every rank meets at the master's address and port: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT,
-    # else the launcher's rendezvous (identity.py). With init_method="env://" the call below would open the TCPStore
-    # there itself; `join` opens it first, so that each rank proves it is one of the job's (membership.py) and starts
-    # its heartbeat before the group forms, then hands it over. nccl: device_id makes the communicator now, on its GPU.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    # else the launcher's rendezvous (identity.py). With init_method="env://" init_process_group would open the
+    # TCPStore there itself; here it is opened first, so that each rank proves it is one of the job's
+    # (membership.py) and starts its heartbeat before the group forms, then handed over.
+    with _Joining(ident, device, timeout) as joining:
+        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
+        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)  # trust, heartbeat: skippable
+        # nccl: device_id makes the communicator now, on this rank's GPU.
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    return Dist(rank, ident.local_rank, world, ident.local_world_size, device, ident.run_id, joining.beat,
+                joining.entry)
 
 
 class _Joining:

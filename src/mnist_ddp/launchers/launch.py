@@ -99,7 +99,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
             creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
             timing.enter("join")
-            d = distributed.setup(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
+            d = distributed.join(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
             if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
                 # Not an error: the tutorial's flags, typed as they are, must keep working.
                 print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any "

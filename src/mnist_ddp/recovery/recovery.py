@@ -255,8 +255,11 @@ class Recovery:
             d.heartbeat.stop(why, culprit=False)
         self.generation += 1
         self.first = members  # the decision is this rank's from here: a successor store hears of it (successor.py)
-        distributed.form_group(backend, dist.PrefixStore(f"mnist_ddp/generation{self.generation}", self._store()),
-                               rank, len(members), timedelta(seconds=self.timeout), d.device)
+        # The textbook call again (distributed.join), on this generation's part of the store.
+        dist.init_process_group(backend, store=dist.PrefixStore(f"mnist_ddp/generation{self.generation}",
+                                                                self._store()),
+                                rank=rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
+                                device_id=d.device if backend == "nccl" else None)
         client = rendezvous.connect(self.ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
         beat = self.heartbeat = Heartbeat(dist.PrefixStore(beats_prefix(self.generation), client), rank,
                                           len(members), self.interval, store_host=None)
