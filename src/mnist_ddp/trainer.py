@@ -43,9 +43,9 @@ class Stepped(NamedTuple):
 class Trainer:
     """One run, built once: the data's batches, the model, its optimizer; `run` trains it epoch by epoch."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, report: Reporter,
+    def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
                  recovery: Recovery | None = None) -> None:
-        self.cfg, self.d, self.data, self.report, self.recovery = cfg, d, data, report, recovery
+        self.cfg, self.d, self.data, self.rank0, self.recovery = cfg, d, data, rank0, recovery
         self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
@@ -59,7 +59,7 @@ class Trainer:
         self.graph_loss = torch.zeros((), device=d.device)
         self.snapshots = Snapshots(self.t) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
-        self.profiler = StepProfiler(cfg.profile, d, report, Path(cfg.out) / "profile")  # --profile (timeline.py)
+        self.profiler = StepProfiler(cfg.profile, d, rank0, Path(cfg.out) / "profile")  # --profile (timeline.py)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
         self._deal(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
 
@@ -86,18 +86,18 @@ class Trainer:
         """Train the remaining epochs; returns the last evaluation (the same on every rank)."""
         if self.cfg.resume:
             self._resume()
-        self.report.say(summary.run_line(self.cfg, self.d, self.share, self.amp, self.channels_last))
-        self.report.begin(self.samples_done)
+        self.rank0.say(summary.run_line(self.cfg, self.d, self.share, self.amp, self.channels_last))
+        self.rank0.begin(self.samples_done)
         if self._reached(self.t.progress.best_accuracy):  # an epoch before the resume reached the target
             self.target_outcome = "already"
             return evaluate(self.t.model, self.test_batches, self.d, self.amp)
         self.profiler.watch(self.reduction)
         if self.recovery and self.recovery.joining:  # a replacement of a lost rank: the run's state from rank 0
             self.recovery.handover(self)
-        self.graph = graphstep.choose(self.cfg, self.d, self.t, self.train_batches, self.textbook, self.report.say)
+        self.graph = graphstep.choose(self.cfg, self.d, self.t, self.train_batches, self.textbook, self.rank0.say)
         net = self._wrap()
         if self.graph:  # None: some rank could not capture it, and every rank trains the eager step
-            self.graph = self.graph.prepare(net, self.report.say)
+            self.graph = self.graph.prepare(net, self.rank0.say)
         result = None
         while (epoch := self.t.progress.epoch) < self.cfg.recipe.epochs:
             try:
@@ -137,7 +137,7 @@ class Trainer:
         lr = self.t.opt.param_groups[0]["lr"]
         record = summary.epoch_record(epoch, self.cfg, self.d, self.t.progress, result, speed,
                                       time.perf_counter() - start, lr, self.train_batches.global_batch, self.data.name)
-        self.report.epoch(record, result.confusion, self.data.classes, self.samples_done)  # a metrics.jsonl line
+        self.rank0.epoch(record, result.confusion, self.data.classes, self.samples_done)  # a metrics.jsonl line
         best = max(self.t.progress.best_accuracy, result.accuracy)
         self.t.progress = Progress(epoch=epoch + 1, best_accuracy=best)
         self._lose_here("save")
@@ -155,7 +155,7 @@ class Trainer:
         if self.graph:
             assert isinstance(batches, ShardedBatches)  # the graph step is the textbook's
             steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first)
-        for batch in self.report.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
+        for batch in self.rank0.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
             if self.recovery and self.snapshots:  # --recover: a replacement may join here; the state it starts from
                 self.recovery.take_in(self)
@@ -237,7 +237,7 @@ class Trainer:
         p, n = self.t.progress, len(self.data.train.labels)
         p.loss_sum += float(totals[0])
         p.seen += int(totals[1])
-        self.report.steps([{"samples": done, "epoch": done / n, "train_loss": loss / samples, "lr": lr}
+        self.rank0.steps([{"samples": done, "epoch": done / n, "train_loss": loss / samples, "lr": lr}
                            for (done, lr, _, samples), loss in zip(s.logged, totals[3:].tolist())])
         self.stretch = Stretch(torch.zeros((), device=self.d.device))
         divergence.check(math.isfinite(p.loss_sum) and not totals[2], self.t.scaler, p.epoch + 1, self.step_in_epoch,
@@ -254,36 +254,36 @@ class Trainer:
     @timing.charged("outputs")
     def _save(self, best: EvalResult | None = None) -> None:
         """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
-        if self.d.is_main:  # rank 0 alone saves (and speaks: the other ranks' Reporter does nothing, see `run`)
+        if self.d.is_main:  # rank 0 alone saves (and speaks, through `rank0`: see `run`)
             saving.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
                        self.data.classes)
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""
         resumed = saving.resume(Path(self.cfg.out) / "checkpoint.pt", self.t, self.cfg, self.d,
-                               len(self.data.train.labels), self.report.say)
+                               len(self.data.train.labels), self.rank0.say)
         if resumed is None:  # none yet: the run starts from scratch (saving.resume said so)
             return
-        self.report.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
+        self.rank0.keep_epochs_before(self.t.progress.epoch)  # a line of the epoch in progress was never saved
         self._deal(resumed.share, resumed.batchnorm_parts)
         if line := summary.resume_line(resumed.world_was, resumed.share, self.cfg):
-            self.report.say(line)
+            self.rank0.say(line)
 
 
 def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
     """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    # Rank 0 alone speaks and saves (`_save`): the others' Reporter does nothing, so the loop has no rank branches.
-    report = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
+    # Rank 0 alone speaks (`rank0`, whose Reporter on the other ranks is silent) and saves (`_save`).
+    rank0 = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     data = datasets.load(cfg.data)
     timing.enter("warm-up")  # the model, its optimizer, the first step
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
-    report.say(summary.data_line(data))
-    trainer = Trainer(cfg, d, data, report, recovery)
+    rank0.say(summary.data_line(data))
+    trainer = Trainer(cfg, d, data, rank0, recovery)
     try:
         result = trainer.run()
-        trainer.report.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
-    finally:  # trainer.report: the one speaking at the end (--recover may have handed it on)
-        trainer.report.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
-    trainer.report.wall_time(timing.finish())
+        trainer.rank0.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+    finally:  # trainer.rank0: the one speaking at the end (--recover may have handed it on)
+        trainer.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
+    trainer.rank0.wall_time(timing.finish())
     return result.accuracy

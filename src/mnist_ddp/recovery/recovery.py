@@ -74,7 +74,7 @@ class Loop(Protocol):
     train_batches: ShardedBatches | StepBatches
     stats: PartStats
     stretch: Stretch
-    report: Reporter
+    rank0: Reporter
     snapshots: Snapshots | None
 
     @property
@@ -153,12 +153,12 @@ class Recovery:
         parts = regroup.batchnorm_sets(loop.stats, share_was, loop.d, snap.known)
         loop._deal(Share(slots=share_was.slots, world=loop.d.world_size, whole=loop.cfg.bitwise), parts)
         loop.stretch = regroup.carried(loop.stretch, loop.d)
-        if loop.d.is_main and not loop.report.enabled:  # rank 0 was lost: this process reports from now on
-            loop.report = loop.report.taken_over(loop.samples_done)
-        loop.report.keep_epochs_before(loop.t.progress.epoch)
-        loop.report.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
+        if loop.d.is_main and not loop.rank0.enabled:  # rank 0 was lost: this process reports from now on
+            loop.rank0 = loop.rank0.taken_over(loop.samples_done)
+        loop.rank0.keep_epochs_before(loop.t.progress.epoch)
+        loop.rank0.forget_steps_after(loop.stretch.logged[0][0] - 1 if loop.stretch.logged else loop.samples_done)
         moved = f"; {new.moved}" if new.moved else ""
-        loop.report.say(f"recover: {', '.join(new.lost) or 'no rank'} lost at {_where(loop)} (rank {rank_was} saw: "
+        loop.rank0.say(f"recover: {', '.join(new.lost) or 'no rank'} lost at {_where(loop)} (rank {rank_was} saw: "
                         f"{failure}){moved}; {self._went_on(loop, began)}")
 
     def _went_on(self, loop: Loop, began: float) -> str:
@@ -311,7 +311,7 @@ class Recovery:
         loop.d = self._enter(d, backend, members, d.rank, "re-formed with a replacement")
         self.handover(loop, parts)
         joined = ", ".join(f"rank {r}" for r, _ in joiners)
-        loop.report.say(f"recover: {joined} joined at {_where(loop)}; {self._went_on(loop, began)}")
+        loop.rank0.say(f"recover: {joined} joined at {_where(loop)}; {self._went_on(loop, began)}")
 
     def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
         """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
