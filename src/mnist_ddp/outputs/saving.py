@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..common import inputfile
-from ..common.config import BITWISE_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
+from ..common.config import BITWISE_MUST_MATCH, MOST_SLOTS, RESUME_MUST_MATCH, TrainConfig
 from ..common.errors import UserError
 from ..core import schedule
 from ..core.batches import Share
@@ -69,7 +69,6 @@ def check_same_run(cfg: TrainConfig, path: Path, ckpt: dict[str, Any]) -> None:
                         f"resume with the same settings or start a new --out.")
 
 
-MOST_SLOTS = 1 << 20  # a run's micro-batches per step: far more than any world × --accumulate that fits a machine
 STEP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "momentum")  # what the step reads of a group (flatopt.py)
 
 
