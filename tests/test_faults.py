@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from conftest import cli_env, metrics, progress, tiny
 from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
+from mnist_ddp.launchers import launch
 from mnist_ddp.outputs import checkpoint
 from procfs import (
     children,
@@ -528,7 +529,6 @@ def _report_while_joined(local_rank: int, port: int, out: str, seen: str) -> Non
     """A rank of a `-g 2` job (as launch.spawn starts one) whose rank 0 refuses an --out that holds a run: every
     rank's error is reported through `report`, which writes down whether the rank was still in the group."""
     from mnist_ddp import cli
-    from mnist_ddp.launchers import launch
 
     cfg = cli.configure(["train", *tiny(), "--out", out])
     ident = identity.spawned(0, local_rank, 2, 1, "127.0.0.1", port)
@@ -576,3 +576,43 @@ def test_a_rank_whose_group_is_still_closing_ends_at_once_with_its_line(tmp_path
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("mnist-ddp: error:") == 1 and "already holds a run" in r.stderr, r.stderr
     assert "the interpreter's exit ran" not in r.stdout and "Traceback" not in r.stderr
+
+
+def _frozen_after_the_last_step(rank: int, port: int, said: str) -> None:
+    """Both ranks pass a last collective; rank 1 then freezes (SIGSTOP) and rank 0, done, leaves as a finished
+    rank does: its wait for rank 1 fails after --timeout, and it writes what that raised to `said`."""
+    torch.set_num_threads(1)
+    d = distributed.join(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 4,
+                         heartbeat_s=0.2)
+    d.all_sum(torch.ones(1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    assert d.heartbeat is not None
+    d.heartbeat.stop("finished", culprit=False)
+    try:
+        launch.leave_group(rank, finished=True, diagnose=d.heartbeat.diagnose)
+        Path(said).write_text("left without a word")
+    except distributed.PeerFailure as e:
+        Path(said).write_text(str(e))
+
+
+def test_a_rank_frozen_after_the_last_step_is_named_by_the_one_left_waiting(tmp_path: Path) -> None:
+    """A rank frozen after the run's last collective (while rank 0 saves the final checkpoint, say), without
+    --recover: the other's last wait fails after --timeout, and its one line names the frozen rank by its pid (the
+    heartbeat's diagnosis), as a collective's failure does during training."""
+    said = tmp_path / "said"
+    store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    ranks = [ctx.Process(target=_frozen_after_the_last_step, args=(r, store.port, str(said))) for r in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        ranks[0].join(HANG)
+        frozen = ranks[1].pid
+        assert said.read_text().startswith("rank 0 lost contact with the other processes after the run's last step"), \
+            said.read_text()
+        assert f"pid {frozen})" in said.read_text() and "stopped (SIGSTOP" in said.read_text(), said.read_text()
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join(30)

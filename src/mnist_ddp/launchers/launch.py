@@ -126,23 +126,26 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 d.heartbeat.stop(*words)
             if rec:  # after a re-forming, the last generation's heartbeat
                 rec.stop(*words)
-            if not leave_group(d.rank if d else ident.rank, finished, report):
+            beats = rec.heartbeat if rec and rec.heartbeat else d.heartbeat if d else None
+            if not leave_group(d.rank if d else ident.rank, finished, report, beats.diagnose if beats else None):
                 _leave_now(sys.exc_info()[1], told=report is not None)
 
 
-def leave_group(rank: int, finished: bool, report: Callable[[UserError], None] | None = None) -> bool:
+def leave_group(rank: int, finished: bool, report: Callable[[UserError], None] | None = None,
+                diagnose: Callable[[], str] | None = None) -> bool:
     """Leave the process group (distributed.teardown); whether it closed. A rank that finished, whose last wait for
     the others fails because one was lost after the last step (rank 0, maybe, while it saved the final checkpoint),
-    says so in one line (reported, as run_worker reports) and fails, rather than end in a traceback: the run's end
-    is not known to be saved."""
+    says so in one line, naming who where `diagnose` (Heartbeat.diagnose) can, reported as run_worker reports, and
+    fails, rather than end in a traceback: the run's end is not known to be saved."""
     try:
         return distributed.teardown(together=finished)
     except RuntimeError as e:
         if not (finished and distributed.is_peer_failure(e)):
             raise
+        who = diagnose() if diagnose else ""
         failure = PeerFailure(f"rank {rank} lost contact with the other processes after the run's last step "
-                              f"({rendezvous.error_summary(e)}): if rank 0 was lost before it saved the final "
-                              f"checkpoint, run again with --resume to finish from the last one.")
+                              f"({rendezvous.error_summary(e)}{f'; {who}' if who else ''}): if rank 0 was lost before "
+                              f"it saved the final checkpoint, run again with --resume to finish from the last one.")
         if report:
             report(failure)
         if not distributed.teardown(together=False):
