@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
 from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
 from mnist_ddp.core import ddp, reduction
-from mnist_ddp.core.batches import Share, StepBatches, epoch_order, model_input, padded
+from mnist_ddp.core.batches import Share, StepBatches, model_input
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.core.steps import PartStats, accumulate
 from mnist_ddp.model import ConvNet
@@ -99,12 +100,12 @@ def _reference(step: int) -> torch.Tensor:
     """The definition: the mean loss over the step's samples, each slot's micro-batch forwarded on its own
     (BatchNorm statistics per micro-batch); slot j's samples are rank j's of a world of M, DistributedSampler's."""
     images, labels = _data()
-    slots = padded(epoch_order(N, shuffle=True, seed=0, epoch=0), SLOTS)
     torch.manual_seed(0)
     model = ConvNet()
     losses = []
     for j in range(SLOTS):
-        idx = slots[j::SLOTS][step * BATCH : (step + 1) * BATCH]
+        slot = list(DistributedSampler(range(N), num_replicas=SLOTS, rank=j, shuffle=True, seed=0))  # type: ignore[arg-type]
+        idx = torch.tensor(slot[step * BATCH : (step + 1) * BATCH])
         losses.append(F.cross_entropy(model(model_input(images[idx], True)), labels[idx], reduction="none"))
     torch.cat(losses).mean().backward()
     return _grads(model)

@@ -12,22 +12,6 @@ from torch.utils.data import DistributedSampler
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
 
 
-def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
-    """The epoch's order of the n samples: DistributedSampler's permutation, seeded by seed + epoch."""
-    if not shuffle:
-        return torch.arange(n)
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)
-    return torch.randperm(n, generator=g)
-
-
-def padded(order: torch.Tensor, multiple: int) -> torch.Tensor:
-    """`order` repeated from its beginning, as often as needed, to a multiple of `multiple` (DistributedSampler's
-    padding: every shard the same length)."""
-    total = math.ceil(len(order) / multiple) * multiple
-    return order.repeat(math.ceil(total / len(order)))[:total]
-
-
 class ShardedBatches:
     """One rank's shard of a split, in batches normalised on the device: what each rank trains on in the textbook
     case (one whole micro-batch per rank), and what it evaluates. The data stays one tensor on the device; torch's
@@ -149,40 +133,60 @@ class Step:
 
 
 class StepBatches:
-    """The optimizer steps of an epoch for one rank, each its micro-batches of the run's global batch."""
+    """The optimizer steps of an epoch for one rank, each its micro-batches of the run's global batch. Slot j of the
+    run's M is what torch's DistributedSampler gives rank j of a world of M, so a step holds the same samples at
+    any world size (docs/design/slots.md)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, share: Share, *, rank: int,
                  device: torch.device, seed: int, normalize: bool = True, channels_last: bool = False) -> None:
         self.data = DeviceData(images, labels, device, normalize, channels_last)
-        self.batch_size, self.share, self.rank, self.seed = batch_size, share, rank, seed
-        self.epoch, self.first = 0, 0
+        self.batch_size, self.share, self.rank = batch_size, share, rank
+        self.mine = share.parts_of(rank)
+        # The slots this rank draws from: its own where each part is a slot, else (more processes than slots, each
+        # step cut into W parts) all of them.
+        drawn = self.mine if share.parts == share.slots else range(share.slots)
+        n = len(labels)  # a range of indices serves each sampler as its dataset
+        self.samplers: dict[int, DistributedSampler] = {
+            j: DistributedSampler(range(n), num_replicas=share.slots, rank=j, shuffle=True, seed=seed)  # type: ignore[arg-type]
+            for j in drawn}
+        self.first = 0
 
     @property
     def global_batch(self) -> int:
         return self.share.slots * self.batch_size
 
     @property
+    def slot_length(self) -> int:
+        """Every slot's samples in an epoch: n / M, rounded up (DistributedSampler pads)."""
+        return math.ceil(len(self.data.labels) / self.share.slots)
+
+    @property
     def steps_per_epoch(self) -> int:
         """ceil(slot length / batch): the same at any world size."""
-        return math.ceil(math.ceil(len(self.data.labels) / self.share.slots) / self.batch_size)
+        return math.ceil(self.slot_length / self.batch_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for `epoch` (the step the tutorial forgot: without it every epoch repeats), leaving out the
         steps that trained the first `start` samples of its permutation (the last one too where it was partial)."""
-        self.epoch, self.first = epoch, math.ceil(start / self.global_batch)
+        for sampler in self.samplers.values():
+            sampler.set_epoch(epoch)
+        self.first = math.ceil(start / self.global_batch)
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.first
 
     def __iter__(self) -> Iterator[Step]:
-        order = epoch_order(len(self.data.labels), shuffle=True, seed=self.seed, epoch=self.epoch)
-        slots = self.data.to_device(padded(order, self.share.slots).view(-1, self.share.slots))  # column j: slot j
-        mine = self.share.parts_of(self.rank)
+        slots = {j: self.data.to_device(torch.tensor(list(sampler))) for j, sampler in self.samplers.items()}
         for s in range(self.first, self.steps_per_epoch):
-            rows = slots[s * self.batch_size : (s + 1) * self.batch_size]
-            parts = rows.T.reshape(-1).tensor_split(self.share.parts)  # in slot order; W ≤ M: the slots themselves
-            mbs = [MicroBatch(j, *self.data.batch(parts[j])) for j in mine]
-            yield Step(mbs or [MicroBatch(None, *self.data.batch(rows[:0, 0]))], rows.numel())  # none: an empty one
+            lo, hi = s * self.batch_size, min((s + 1) * self.batch_size, self.slot_length)
+            if self.share.parts == self.share.slots:  # each part one slot's micro-batch
+                parts = {j: slots[j][lo:hi] for j in self.mine}
+            else:  # the step's samples, slot after slot, cut into W parts
+                parts = dict(enumerate(torch.cat([slots[j][lo:hi] for j in sorted(slots)]).tensor_split(
+                    self.share.parts)))
+            mbs = [MicroBatch(j, *self.data.batch(parts[j])) for j in self.mine]
+            empty = torch.empty(0, dtype=torch.long, device=self.data.device)  # a rank with no part still reduces
+            yield Step(mbs or [MicroBatch(None, *self.data.batch(empty))], (hi - lo) * self.share.slots)
 
 
 def model_input(raw: torch.Tensor, normalize: bool, channels_last: bool = False) -> torch.Tensor:
