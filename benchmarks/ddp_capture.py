@@ -30,8 +30,8 @@ from mnist_ddp.common.config import DataConfig, recipe
 from mnist_ddp.core import compute, ddp, distributed, schedule
 from mnist_ddp.core.batches import DeviceData, ShardedBatches
 from mnist_ddp.core.distributed import Dist
-from mnist_ddp.core.graphstep import GraphStep
 from mnist_ddp.core.steps import train_step
+from mnist_ddp.cudagraph.graphstep import GraphStep
 from mnist_ddp.data import datasets
 from mnist_ddp.model import ConvNet
 

@@ -30,9 +30,10 @@ from conftest import REPO, cli_env, progress, tiny
 from mnist_ddp import cli, trainer
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.common.errors import UserError
-from mnist_ddp.core import compute, ddp, distributed, divergence, graphstep
+from mnist_ddp.core import compute, ddp, distributed, divergence
 from mnist_ddp.core.batches import Share
 from mnist_ddp.core.distributed import Dist
+from mnist_ddp.cudagraph import graphstep
 from mnist_ddp.data import datasets
 from mnist_ddp.joining.identity import without_launcher_vars
 from mnist_ddp.launchers import forkserver

@@ -19,12 +19,13 @@ from torch.utils.data import DistributedSampler
 from conftest import progress, run_cli, spawn_gloo, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp.common.config import TrainConfig, recipe
-from mnist_ddp.core import ddp, distributed, flatopt, schedule
+from mnist_ddp.core import ddp, distributed, schedule
 from mnist_ddp.core.batches import DeviceData, ShardedBatches
 from mnist_ddp.core.distributed import Dist
-from mnist_ddp.core.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
 from mnist_ddp.core.state import Progress, Training
 from mnist_ddp.core.steps import train_step
+from mnist_ddp.cudagraph import flatopt
+from mnist_ddp.cudagraph.graphstep import CAPTURE_FAILS_VAR, GraphStep, Pacer, PeerTimeout, choose
 from mnist_ddp.model import ConvNet
 from procfs import finish, marked_env, needs_proc, reaped, spawned_workers, start, wait_for
 from test_bitwise import model_hash

@@ -14,13 +14,14 @@ from torch import nn
 
 from .common import timing
 from .common.config import TrainConfig
-from .core import compute, ddp, divergence, graphstep, reduction, schedule, state
+from .core import compute, ddp, divergence, reduction, schedule, state
 from .core.batches import ShardedBatches, Share, Step, StepBatches
 from .core.distributed import Dist
 from .core.divergence import nonfinite
 from .core.evaluation import EvalResult, evaluate
 from .core.state import Progress, Stretch
 from .core.steps import PartStats, slot_step, train_step
+from .cudagraph import graphstep
 from .data import datasets
 from .model import ConvNet
 from .outputs import saving, summary

@@ -17,11 +17,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..common.config import Recipe, TrainConfig
-from . import compute, flatopt, schedule
-from .batches import DeviceData, ShardedBatches, StepBatches
-from .compute import autocast
-from .distributed import Dist
-from .state import Training
+from ..core import compute, schedule
+from ..core.batches import DeviceData, ShardedBatches, StepBatches
+from ..core.compute import autocast
+from ..core.distributed import Dist
+from ..core.state import Training
+from . import flatopt
 
 # DDP-enabled eager steps before the captures (torch's CUDA notes, "Usage with DistributedDataParallel"): DDP's
 # reducer times its first 10 iterations, and every 100th, with CUDA events it waits on, which no capture may hold.
