@@ -498,8 +498,9 @@ class Campaign:
             if code not in (0, -9) and len(_lines(log)) != 1:  # a SIGKILLed launcher cannot say anything
                 return BROKEN, f"node {node}'s launcher ended with {code} and {len(_lines(log))} lines: " + _tail(said)
         wrong = _same_run(trial, job, job.out, ref)
-        if not wrong:  # finished as undisturbed: a lost rank must have been said so
-            if expect.lost and trial.world.recover and not expect.either and not any("recover: " in s for s in said):
+        if not wrong:  # finished as undisturbed: a rank the run went on without must have been said so
+            if expect.lost and trial.world.recover and not expect.either and not any("recover: " in s for s in said) \
+                    and _shrank(job.out, trial.world.size):
                 return BROKEN, "no recover: line for the lost rank"
             return None
         if 0 in job.codes:
@@ -702,6 +703,13 @@ def differs(out: Path, bitwise: bool, ref: Ref) -> str:
     if digest != ref.digest:
         found.append(f"saved other weights (SHA-256 {digest[:12]}…, undisturbed {ref.digest[:12]}…)")
     return "; and ".join(found)
+
+
+def _shrank(out: Path, size: int) -> bool:
+    """Whether the run's record shows an epoch trained by fewer processes than the job started: a rank it went on
+    without. A rank whose launcher was lost as the run ended may have finished its part (its last collectives
+    returned) before it noticed: then nothing was lost, and no `recover:` line is owed."""
+    return any(json.loads(line)["world_size"] < size for line in (out / "metrics.jsonl").read_text().splitlines())
 
 
 def _lines(log: str) -> list[str]:

@@ -4,7 +4,9 @@ resume; a full disk; the store's host stopped; on two machines (network namespac
 the cable cut a while. Each must keep its contract, land while the run trains, and end as its case says; and the
 judge is fed made-up broken jobs and must call each broken."""
 
+import json
 import os
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -105,6 +107,22 @@ def test_the_judge_calls_each_broken_job_broken(campaign: chaos.Campaign, tmp_pa
                               replace(ref, digest=digest) if digest else ref)
     assert (verdict is None) == (kind == "kept"), verdict
     assert verdict is None or verdict[0] == chaos.BROKEN
+
+
+def test_no_recover_line_is_owed_where_no_rank_was_gone_from_the_run(campaign: chaos.Campaign,
+                                                                     tmp_path: Path) -> None:
+    """A rank whose launcher was killed as the run ended may finish its part before it notices: the record shows
+    every epoch trained by the whole world, and no `recover:` line is owed. The same job whose record shows the
+    world shrunk (trial 0's, as it was) is broken without the line (test above)."""
+    job = _made_up(campaign, tmp_path, "final: test accuracy 50.00%\n", [0])
+    whole = tmp_path / "out"
+    shutil.copytree(job.out, whole)
+    lines = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["world_size"] < WORLD.size for m in lines)  # trial 0's run went on without its lost rank
+    (whole / "metrics.jsonl").write_text("".join(json.dumps(m | {"world_size": WORLD.size}) + "\n" for m in lines))
+    job.out = whole
+    landed = [chaos.Landed(job.trial.faults[0], [7], {1})]
+    assert campaign._judge(job.trial, job, chaos.contract(job.trial, landed), landed, campaign.ref(WORLD)) is None
 
 
 def test_a_process_left_behind_is_found(tmp_path: Path) -> None:
