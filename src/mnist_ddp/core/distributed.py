@@ -338,7 +338,7 @@ def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return True
     if together:
-        dist.barrier()  # on nccl, on the GPU the group is bound to (setup's device_id)
+        dist.barrier()  # on nccl, on the GPU the group is bound to (join's device_id)
     gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
     if together:
         dist.destroy_process_group()
