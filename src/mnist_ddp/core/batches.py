@@ -184,9 +184,13 @@ class StepBatches:
             else:  # the step's samples, slot after slot, cut into W parts
                 parts = dict(enumerate(torch.cat([slots[j][lo:hi] for j in sorted(slots)]).tensor_split(
                     self.share.parts)))
-            mbs = [MicroBatch(j, *self.data.batch(parts[j])) for j in self.mine]
-            empty = torch.empty(0, dtype=torch.long, device=self.data.device)  # a rank with no part still reduces
-            yield Step(mbs or [MicroBatch(None, *self.data.batch(empty))], (hi - lo) * self.share.slots)
+            mbs = [MicroBatch(j, *self.data.batch(parts[j])) for j in self.mine] or [self._empty()]
+            yield Step(mbs, (hi - lo) * self.share.slots)
+
+    def _empty(self) -> MicroBatch:
+        """The micro-batch of a rank with no part (--bitwise, more processes than slots): none of the step's
+        samples, so that it still joins the step's reduction."""
+        return MicroBatch(None, *self.data.batch(torch.empty(0, dtype=torch.long, device=self.data.device)))
 
 
 def model_input(raw: torch.Tensor, normalize: bool, channels_last: bool = False) -> torch.Tensor:
