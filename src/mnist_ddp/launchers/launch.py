@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -371,8 +371,9 @@ class Frozen:
         self.since = self.since or time.monotonic()
         if time.monotonic() - self.since < self.timeout:
             return
-        for pid in running.values():
-            os.kill(pid, signal.SIGKILL)
+        for pid in running.values():  # now, not after Workers.stop's grace: a stopped child never unwinds
+            with suppress(ProcessLookupError):  # it ended since it was looked at
+                os.kill(pid, signal.SIGKILL)
         ranks = ", ".join(f"{rank} (pid {pid})" for rank, pid in running.items())
         raise PeerFailure(f"rank{'s' * (len(running) > 1)} {ranks} stopped answering: stopped (SIGSTOP, or a "
                           f"debugger) for --timeout {self.timeout:g} s with no other process of this launcher "
