@@ -10,9 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from torch.multiprocessing.spawn import _wrap as torch_wrap
 
 from conftest import cli_env, tiny
@@ -68,6 +70,27 @@ def test_ranks_waiting_for_a_peer_stop_when_told(how: signal.Signals, tmp_path: 
     for rc, out in results:
         assert rc == 130, out
         assert out.strip().splitlines() == ["mnist-ddp: interrupted."], out
+
+
+def test_a_store_that_closes_under_a_waiting_rank_is_no_wall_of_cpp_frames(tmp_path: Path) -> None:
+    """The race both ranks above run when told to stop together: node 0 ends first and closes its store while
+    a joiner is inside a store call. torch's C++ side logs that failure with its own stack on stderr; in a
+    process of ours only our one line may follow, so the call's error reaches Python and nothing is printed."""
+    host = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    code = ("import sys, mnist_ddp, torch.distributed as dist\n"
+            f"s = dist.TCPStore('127.0.0.1', {host.port}, 2, is_master=False)\n"
+            "s.set('joined', '1'); sys.stdin.readline()\n"
+            "try:\n    s.check(['k'])\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    env = {k: v for k, v in cli_env().items() if k != "TORCH_CPP_LOG_LEVEL"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        host.wait(["joined"])
+        del host  # the store's server closes with its last reference
+        out, err = proc.communicate("\n", timeout=HANG)
+    finally:
+        proc.kill()
+    assert out.strip() == "DistNetworkError" and err == "", err
 
 
 def test_the_summary_of_an_error_inside_the_comm_hook_is_the_collectives_own() -> None:

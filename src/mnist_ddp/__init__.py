@@ -8,7 +8,13 @@ identity.py (who am I) → distributed.py (the process group) → batches.py (sh
 trainer.py (DDP wrap, the loop, rank-0 outputs) → evaluation.py (all-reduced accuracy).
 """
 
+import os
 import warnings
+
+# torch's C++ side logs its warnings, each with a C++ stack, straight to stderr: a peer that closed its socket
+# as the job stops is a wall of frames under our one line. Errors still show; TORCH_CPP_LOG_LEVEL=WARNING (or
+# INFO) brings the rest back. Read once, as torch is imported: so here, before anything imports it.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from .api import evaluate, predict, train
 from .common.errors import UserError
