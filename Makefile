@@ -10,6 +10,9 @@ TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.10,torch==2.13
 TORCH_INDEX ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: whole test files go to one worker each (--dist loadfile), so a file's
+# fixtures are made once. Most tests wait on real processes, so 2 workers on 2 cores; 0 runs in one process.
+TEST_WORKERS ?= 2
 SOAK ?= 3
 SOAK_MODULES ?=
 SEED ?= 1
@@ -49,7 +52,7 @@ lint: $(VENV)/.dev
 
 # pytest's exit code 5 ("no tests ran") is a failure here, never a silent pass.
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
 
 # Not part of CI: SOAK rounds of every test module that starts real processes (SOAK_MODULES="faults stops" for a

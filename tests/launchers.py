@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -168,8 +169,9 @@ def quiet_job_id(count: int = 20) -> int:
         return port - 20000
 
 
-def _slurm_conf(folder: Path, nodes: tuple[Node, ...], control: Node, ports: list[int]) -> str:
-    """slurmctld on `control`; no cgroups, no accounting, no systemd: what runs in any container as root."""
+def _slurm_conf(folder: Path, spool: Path, nodes: tuple[Node, ...], control: Node, ports: list[int]) -> str:
+    """slurmctld on `control`; no cgroups, no accounting, no systemd: what runs in any container as root. `spool`
+    holds each step's Unix socket, whose path may be 108 bytes at most: a short folder, not one under `folder`."""
     cpus = os.cpu_count() or 1
     lines = [
         "ClusterName=mnistddp", f"FirstJobId={quiet_job_id()}",
@@ -177,7 +179,7 @@ def _slurm_conf(folder: Path, nodes: tuple[Node, ...], control: Node, ports: lis
         "SlurmUser=root", "SlurmdUser=root",
         f"SlurmctldPort={ports[0]}", f"SlurmdPort={ports[1]}",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={folder / 'munge.socket'}",
-        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool-%n'}",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={spool / '%n'}",
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
         "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none",
@@ -221,8 +223,9 @@ def slurm_cluster(folder: Path, nodes: tuple[Node, ...]) -> Iterator[Cluster]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     ports = free_ports(2)
+    spool = Path(tempfile.mkdtemp(prefix="slurmd-"))
     conf = folder / "slurm.conf"
-    conf.write_text(_slurm_conf(folder, nodes, nodes[0], ports))
+    conf.write_text(_slurm_conf(folder, spool, nodes, nodes[0], ports))
     hosts = "127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in nodes)
     for n in nodes:
         (folder / f"hosts-{n.name}").write_text(hosts)
@@ -244,3 +247,4 @@ def slurm_cluster(folder: Path, nodes: tuple[Node, ...]) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(spool, ignore_errors=True)
