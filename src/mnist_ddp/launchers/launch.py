@@ -75,7 +75,8 @@ def _signals_interrupt() -> Iterator[None]:
 
 def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                report: Callable[[UserError], None] | None = None, began: float | None = None) -> int:
-    """One rank, start to finish: device, cores, process group, training; the group is always left.
+    """One rank, start to finish: this process set up, the process group joined, the run trained; the group is
+    always left.
 
     `claim_out`: rank 0 checks and holds --out here, after joining, so that a bad one stops every rank at
     once (torchrun and srun start all ranks before any of them could look). `report` hears this rank's error
@@ -87,29 +88,14 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
     with _signals_interrupt(), ExitStack() as held:  # rank 0's claim on --out, let go after the teardown
         d, rec, finished = None, None, False
         try:
-            device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size,
-                                             share=cfg.backend == "gloo")
-            timing.begin(timing.process_start() if began is None else began, lambda: compute.sync(device))
-            if ident.rank == 0 and (line := distributed.sharing(device, ident.local_world_size)):
-                print(line, flush=True)
-            if device.type == "cpu":  # before joining: gloo's threads inherit this process's cores
-                compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
-            settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)  # before joining, any kernel
-            if settings and ident.rank == 0:
-                print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
-            creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
+            device = _set_up_process(ident, cfg, began)
             timing.enter("join")
+            creds = Credentials(cfg.secret or b"", run_settings(cfg, ident.world_size))
             d = distributed.join(ident, device, cfg.backend, cfg.timeout, cfg.heartbeat, creds)
-            if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
-                # Not an error: the tutorial's flags, typed as they are, must keep working.
-                print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any "
-                      f"process that can reach {ident.master_addr}:{ident.master_port} could have joined it; give "
-                      f"every node the same secret (see docs/security.md).", file=sys.stderr, flush=True)
+            _warn_if_open(ident, cfg)
             with _named_peer_failure(d, cfg.timeout):
                 if claim_out:
-                    if not cfg.resume and restarting(Path(cfg.out), ident, d):
-                        cfg = replace(cfg, resume=True)
-                    d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
+                    cfg = _claim_out(cfg, ident, d, held)
                 timing.enter("data")
                 forkserver.import_in_background()  # the optimizer's torch._dynamo, while the data loads
                 rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
@@ -121,14 +107,55 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 report(e)
             raise
         finally:
-            words = _last_words(sys.exc_info()[1])
-            if d and d.heartbeat:
-                d.heartbeat.stop(*words)
-            if rec:  # after a re-forming, the last generation's heartbeat
-                rec.stop(*words)
-            beats = rec.heartbeat if rec and rec.heartbeat else d.heartbeat if d else None
-            if not leave_group(d.rank if d else ident.rank, finished, report, beats.diagnose if beats else None):
-                _leave_now(sys.exc_info()[1], told=report is not None)
+            _stop(ident, d, rec, finished, report)
+
+
+def _set_up_process(ident: Identity, cfg: TrainConfig, began: float | None) -> torch.device:
+    """Before joining: this rank's device, its share of the cores (gloo's threads inherit them) and the
+    kernels' settings; the run's clock started."""
+    device = distributed.pick_device(cfg.device, ident.local_rank, ident.local_world_size,
+                                     share=cfg.backend == "gloo")
+    timing.begin(timing.process_start() if began is None else began, lambda: compute.sync(device))
+    if ident.rank == 0 and (line := distributed.sharing(device, ident.local_world_size)):
+        print(line, flush=True)
+    if device.type == "cpu":
+        compute.share_cores(ident.local_rank, ident.local_world_size, threads=1 if cfg.bitwise else None)
+    settings = compute.configure_backends(device, cfg.deterministic, cfg.bitwise)
+    if settings and ident.rank == 0:
+        print(f"deterministic: set {settings} (cuBLAS is deterministic only with it)", flush=True)
+    return device
+
+
+def _warn_if_open(ident: Identity, cfg: TrainConfig) -> None:
+    """A job without a secret whose store others could reach: a warning, not an error (the tutorial's flags,
+    typed as they are, must keep working)."""
+    if cfg.secret is None and ident.local_rank == 0 and rendezvous.open_to_network(ident):
+        print(f"mnist-ddp: warning: this job has no secret (MNIST_DDP_SECRET or --secret-file), so any "
+              f"process that can reach {ident.master_addr}:{ident.master_port} could have joined it; give "
+              f"every node the same secret (see docs/security.md).", file=sys.stderr, flush=True)
+
+
+def _claim_out(cfg: TrainConfig, ident: Identity, d: Dist, held: ExitStack) -> TrainConfig:
+    """Rank 0 checks --out and holds it until `held` closes; the config, with --resume where torchrun is
+    restarting this job (`restarting`)."""
+    if not cfg.resume and restarting(Path(cfg.out), ident, d):
+        cfg = replace(cfg, resume=True)
+    d.from_main(lambda: held.enter_context(outdir.claim(Path(cfg.out), cfg.resume)))
+    return cfg
+
+
+def _stop(ident: Identity, d: Dist | None, rec: recovery.Recovery | None, finished: bool,
+          report: Callable[[UserError], None] | None) -> None:
+    """The heartbeat told why this rank leaves, then the group left (`leave_group`); a group still closing
+    ends the process now (`_leave_now`)."""
+    words = _last_words(sys.exc_info()[1])
+    if d and d.heartbeat:
+        d.heartbeat.stop(*words)
+    if rec:  # after a re-forming, the last generation's heartbeat
+        rec.stop(*words)
+    beats = rec.heartbeat if rec and rec.heartbeat else d.heartbeat if d else None
+    if not leave_group(d.rank if d else ident.rank, finished, report, beats.diagnose if beats else None):
+        _leave_now(sys.exc_info()[1], told=report is not None)
 
 
 def leave_group(rank: int, finished: bool, report: Callable[[UserError], None] | None = None,
