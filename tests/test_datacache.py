@@ -1,8 +1,9 @@
-"""The synthetic set is made once per node and shared through a cache of plain IDX files.
+"""The synthetic set is made once per node and shared through a cache of plain IDX files; so are a real
+dataset's .gz files, decoded.
 
 The local processes must all train on the bytes the generator makes, whether they made them, read
 them from the cache, or (cache folder read-only) each made their own; a damaged cache file is made
-again, never trusted.
+again, never trusted; a changed .gz is decoded again.
 """
 
 import os
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from conftest import TINY, cli_env, run_cli
-from datafiles import ONE_THREAD, one_thread
+from datafiles import ONE_THREAD, make_splits, one_thread, write_files
 from mnist_ddp.common.config import DataConfig
-from mnist_ddp.data import datasets, synthetic
+from mnist_ddp.data import datasets, idx, synthetic
 from mnist_ddp.outputs import checkpoint
 
 SEEDS = datasets.SYNTHETIC_SEEDS
@@ -111,3 +112,56 @@ def test_a_cache_file_with_a_flipped_pixel_is_made_again(tmp_path: Path, monkeyp
         again = datasets.load(req)
     assert "(made and cached in" in again.where, again.where
     _assert_same(again, first)
+
+
+def _expect(splits: dict[str, tuple[torch.Tensor, torch.Tensor]], data: datasets.Dataset) -> None:
+    for split in ("train", "test"):
+        got = getattr(data, split)
+        assert torch.equal(got.images, splits[split][0]) and torch.equal(got.labels, splits[split][1].long()), split
+
+
+def test_gz_files_are_decoded_once_and_a_changed_file_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load decodes the .gz files into a folder of plain IDX files, the next reads those and never
+    inflates a .gz; a file replaced by another (a new download) is decoded again, never answered from the
+    old cache."""
+    monkeypatch.chdir(tmp_path)
+    splits = make_splits()
+    files = write_files(tmp_path / "mnist", splits)
+    req = DataConfig(dataset="mnist", data_dir=tmp_path / "mnist", download=False)
+    first = datasets.load(req)
+    _expect(splits, first)
+    assert "(made and cached in" in first.cache, first.cache
+    [folder] = (tmp_path / "mnist" / "decoded").iterdir()
+    inflated = []
+    real_read = idx.read
+    monkeypatch.setattr(idx, "read", lambda *a, **k: inflated.append(a[0]) or real_read(*a, **k))
+    again = datasets.load(req)
+    _expect(splits, again)
+    assert inflated == [] and f"{folder} (cached, read in" in again.cache, again.cache
+
+    changed = make_splits(seed=1)
+    write_files(tmp_path / "mnist", changed)
+    os.utime(files["train-labels-idx1-ubyte.gz"], ns=(1, 1))  # a time no write had: the times are in the key
+    renewed = datasets.load(req)
+    _expect(changed, renewed)
+    assert len(inflated) == 4 and "(made and cached in" in renewed.cache, renewed.cache
+
+
+def test_plain_idx_files_are_read_as_they_are(tmp_path: Path) -> None:
+    splits = make_splits()
+    write_files(tmp_path / "mnist", splits, gz=False)
+    data = datasets.load(DataConfig(dataset="mnist", data_dir=tmp_path / "mnist", download=False))
+    _expect(splits, data)
+    assert data.cache == "" and not (tmp_path / "mnist" / "decoded").exists()
+
+
+def test_the_data_line_says_where_the_decoded_files_came_from(tmp_path: Path) -> None:
+    write_files(tmp_path / "mnist", make_splits(n_train=40))
+    args = ["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "mnist"), "--epochs", "1", "--no-plots",
+            "--no-progress"]
+    lines = [_data_line(run_cli(*args, "--out", str(tmp_path / out), cwd=tmp_path, env=ONE_THREAD).stdout)
+             for out in ("a", "b")]
+    folder = next((tmp_path / "mnist" / "decoded").iterdir())
+    assert lines[0].startswith(f"data: mnist, 40 train / 24 test images, from {tmp_path / 'mnist'}; .gz decoded "
+                               f"once: {folder} (made and cached in "), lines[0]
+    assert f"; .gz decoded once: {folder} (cached, read in " in lines[1], lines[1]

@@ -2,6 +2,7 @@
 download; `synthetic` generated and cached; `auto`: MNIST, else synthetic), and the checks they must pass.
 The order and its reasons: docs/design/data-sources.md."""
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class Dataset:
     classes: tuple[str, ...]
     train: Split
     test: Split
+    cache: str = ""  # how .gz files were had decoded (`_decoded`), for the `data:` line; "" where none is read
 
 
 def candidate_dirs(source: Source, data_dir: Path | None) -> list[Path]:
@@ -140,9 +142,9 @@ def _download(source: Source, folder: Path, splits: tuple[str, ...], mirrors: tu
     return files
 
 
-def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | None) -> Split:
-    images = idx.read(files[split, "images"], idx.IMAGES_MAGIC)
-    labels = idx.read(files[split, "labels"], idx.LABELS_MAGIC)
+def _split(tensors: dict[tuple[str, str], torch.Tensor], files: dict[tuple[str, str], Path], split: str,
+           limit: int | None) -> Split:
+    images, labels = tensors[split, "images"], tensors[split, "labels"]
     if len(labels) != len(images):
         raise UserError(f"{files[split, 'labels']}: {len(labels)} labels for {len(images)} images.")
     if not len(images):
@@ -150,6 +152,31 @@ def _read_split(files: dict[tuple[str, str], Path], split: str, limit: int | Non
     if len(labels) and int(labels.max()) > 9:
         raise UserError(f"{files[split, 'labels']}: label {int(labels.max())} is outside 0-9.")
     return Split(images[:limit], labels[:limit].long())
+
+
+def _magic(part: str) -> int:
+    return idx.IMAGES_MAGIC if part == "images" else idx.LABELS_MAGIC
+
+
+def _decoded(files: dict[tuple[str, str], Path], source: Source, req: DataConfig) -> tuple[
+        dict[tuple[str, str], torch.Tensor], str]:
+    """The files' tensors. .gz files are inflated once per node and kept as plain IDX (datacache.py), in a folder
+    named by the files' paths, sizes and modification times: a changed file is decoded again. Plain files are
+    read as they are. Also how they were had, for the `data:` line ("" when read directly)."""
+    if not any(path.suffix == ".gz" for path in files.values()):
+        return {key: idx.read(path, _magic(key[1])) for key, path in files.items()}, ""
+    stamp = hashlib.sha256()
+    for key, path in sorted(files.items()):
+        info = path.stat()
+        stamp.update(f"{key}\0{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+    folder = (req.data_dir or Path("data")) / "decoded" / f"{source.name}-{stamp.hexdigest()[:16]}"
+    names = {key: f"{key[0]}-{key[1]}" for key in files}
+
+    def decode() -> datacache.Tensors:
+        return {names[key]: idx.read(path, _magic(key[1])) for key, path in files.items()}
+
+    tensors, how = datacache.shared(folder, tuple(names.values()), decode)
+    return {key: tensors[name] for key, name in names.items()}, f".gz decoded once: {how}"
 
 
 def _load_source(source: Source, req: DataConfig) -> Dataset:
@@ -167,9 +194,10 @@ def _load_source(source: Source, req: DataConfig) -> Dataset:
         except (DownloadError, OSError) as e:
             raise DataNotFound(source, dirs, f"the download failed: {e}", "its download failed") from e
         where = f"{target} (downloaded)"
-    train = _read_split(files, "train", req.train_samples) if "train" in req.splits else EMPTY
-    test = _read_split(files, "test", req.test_samples)
-    return Dataset(source.name, where, source.classes, train, test)
+    tensors, cache = _decoded(files, source, req)
+    train = _split(tensors, files, "train", req.train_samples) if "train" in req.splits else EMPTY
+    test = _split(tensors, files, "test", req.test_samples)
+    return Dataset(source.name, where, source.classes, train, test, cache)
 
 
 def _synthetic(req: DataConfig) -> Dataset:

@@ -16,7 +16,7 @@ from ..data.datasets import Dataset
 def data_line(data: Dataset) -> str:
     """Which data, how much of it, and where it came from."""
     return (f"data: {data.name}, {len(data.train.labels):,} train / {len(data.test.labels):,} test images, "
-            f"from {data.where}")
+            f"from {data.where}{f'; {data.cache}' if data.cache else ''}")
 
 
 def counted(n: int, noun: str, plural: str = "") -> str:
