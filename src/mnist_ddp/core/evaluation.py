@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..common import timing
+from ..model import ConvNet, for_inference
 from .batches import ShardedBatches
 from .compute import autocast
 from .distributed import Dist
@@ -30,18 +30,20 @@ class EvalResult:
 
 @timing.charged("evaluation")
 @torch.inference_mode()
-def evaluate(model: nn.Module, batches: ShardedBatches, d: Dist, amp: str = "off") -> EvalResult:
-    """Loss, accuracy and confusion matrix of `model` (a plain module, not the DDP wrapper)."""
+def evaluate(model: ConvNet, batches: ShardedBatches, d: Dist, amp: str = "off") -> EvalResult:
+    """Loss, accuracy and confusion matrix of `model` (a plain ConvNet, not the DDP wrapper), computed by its
+    inference form (`for_inference`: BatchNorm folded into the convolutions)."""
     d.set_phase("evaluating")
     was_training = model.training
     model.eval()
+    net = for_inference(model)
     try:  # a peer lost meanwhile (--recover goes back and trains on): the model is left as it was found
         # The loss sum, then the 100 confusion counts: one tensor, so one all-reduce carries them all.
         # float32 counts are exact up to 2**24 images, far beyond any test set here.
         totals = torch.zeros(1 + 100, device=d.device)
         for x, y in batches:
             with autocast(d.device, amp):
-                logits = model(x)
+                logits = net(x)
             totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
             totals[1:] += torch.bincount(y * 10 + logits.argmax(1), minlength=100)
         d.all_sum(totals)

@@ -3,7 +3,8 @@
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+
+from ..model import ConvNet
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Stretch:
 class Training:
     """What training changes, and a checkpoint saves and restores."""
 
-    model: nn.Module  # the plain ConvNet, holding BatchNorm statistics averaged over every part
+    model: ConvNet  # the plain ConvNet, holding BatchNorm statistics averaged over every part
     opt: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None  # fp16's
     progress: Progress
