@@ -25,6 +25,18 @@ from strict_skips import pytest_configure, pytest_make_collect_report, pytest_ru
 # there too, and the runs are the CPU's, bit for bit). benchmarks/gpu_check.py is what runs on GPUs.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# The slowest test files (by their time in one process), first: pytest-xdist hands whole files to its workers in
+# the order they were collected, so these start at once and the short files fill in around them, rather than one
+# of them running alone at the end.
+SLOWEST_FIRST = ("test_recovery.py", "test_faults.py", "test_multinode.py", "test_chaos.py", "test_fuzz.py",
+                 "test_notebook.py", "test_trust.py", "test_resume.py", "test_base_install.py", "test_bitwise.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: each file's order is kept
+
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MNIST_T10K = SHARED / "data" / "mnist-t10k"
