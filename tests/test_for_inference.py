@@ -32,19 +32,22 @@ def _trained_looking(seed: int, channels_last: bool) -> ConvNet:
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
 def test_the_inference_form_computes_the_models_function(channels_last: bool) -> None:
-    model = _trained_looking(0, channels_last).train()
+    model = _trained_looking(0, channels_last).eval()
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(64, 1, 28, 28)
     x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
     net = for_inference(model)
     with torch.inference_mode():
-        ours, theirs = net(x), model.eval()(x)
+        ours, theirs = net(x), model(x)
         unfolded = model.fc(F.max_pool2d(F.relu(model.layer2[0](F.max_pool2d(F.relu(model.layer1[0](x)), 2))), 2)
                             .flatten(1))  # the control: the same layers without their BatchNorm
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5), (ours - theirs).abs().max()
     assert torch.equal(ours.argmax(1), theirs.argmax(1))
     assert (unfolded - theirs).abs().max() > 100 * 1e-5  # a fold that lost BatchNorm would be caught above
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # a copy: the model untouched
+    with pytest.raises(AssertionError):  # a model in training mode is refused, not switched to eval behind its back
+        for_inference(model.train())
+    assert all(m.training for m in model.modules())
 
 
 def test_the_evaluation_gives_the_models_own_numbers() -> None:

@@ -34,11 +34,11 @@ class ConvNet(nn.Module):
 
 
 def for_inference(model: ConvNet) -> nn.Module:
-    """`model` in eval mode as a cheaper module computing the same function up to rounding: each BatchNorm (in eval
-    mode an affine map) folded into the convolution before it, and each ReLU after its max-pool (the two commute),
-    where it touches a quarter of the values. A copy: `model` is left as it is."""
+    """`model`, in eval mode, as a cheaper module computing the same function up to rounding: each BatchNorm (in eval
+    mode an affine map) folded into a copy of the convolution before it, and each ReLU after its max-pool (the two
+    commute), where it touches a quarter of the values. `model` is left as it is."""
     layers: list[nn.Module] = []
     for conv, bn, relu, pool in (model.layer1, model.layer2):
         assert isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d)
-        layers += [fuse_conv_bn_eval(conv.eval(), bn.eval()), pool, relu]
+        layers += [fuse_conv_bn_eval(conv, bn), pool, relu]  # which refuses a model in training mode
     return nn.Sequential(*layers, nn.Flatten(), model.fc)
