@@ -154,8 +154,10 @@ def _split(tensors: dict[tuple[str, str], torch.Tensor], files: dict[tuple[str, 
     return Split(images[:limit], labels[:limit].long())
 
 
-def _magic(part: str) -> int:
-    return idx.IMAGES_MAGIC if part == "images" else idx.LABELS_MAGIC
+def _read_all(files: dict[tuple[str, str], Path]) -> dict[tuple[str, str], torch.Tensor]:
+    """Each (split, part) file read and checked as IDX."""
+    return {key: idx.read(path, idx.IMAGES_MAGIC if key[1] == "images" else idx.LABELS_MAGIC)
+            for key, path in files.items()}
 
 
 def _decoded(files: dict[tuple[str, str], Path], source: Source, req: DataConfig) -> tuple[
@@ -164,7 +166,7 @@ def _decoded(files: dict[tuple[str, str], Path], source: Source, req: DataConfig
     named by the files' paths, sizes and modification times: a changed file is decoded again. Plain files are
     read as they are. Also how they were had, for the `data:` line ("" when read directly)."""
     if not any(path.suffix == ".gz" for path in files.values()):
-        return {key: idx.read(path, _magic(key[1])) for key, path in files.items()}, ""
+        return _read_all(files), ""
     stamp = hashlib.sha256()
     for key, path in sorted(files.items()):
         info = path.stat()
@@ -172,10 +174,8 @@ def _decoded(files: dict[tuple[str, str], Path], source: Source, req: DataConfig
     folder = (req.data_dir or Path("data")) / "decoded" / f"{source.name}-{stamp.hexdigest()[:16]}"
     names = {key: f"{key[0]}-{key[1]}" for key in files}
 
-    def decode() -> datacache.Tensors:
-        return {names[key]: idx.read(path, _magic(key[1])) for key, path in files.items()}
-
-    tensors, how = datacache.shared(folder, tuple(names.values()), decode)
+    tensors, how = datacache.shared(folder, tuple(names.values()),
+                                    lambda: {names[key]: t for key, t in _read_all(files).items()})
     return {key: tensors[name] for key, name in names.items()}, f".gz decoded once: {how}"
 
 
