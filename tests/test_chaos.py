@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,8 +132,11 @@ def test_a_process_left_behind_is_found(tmp_path: Path) -> None:
     env, _ = marked_env()
     gone = subprocess.Popen(["true"], env=env)
     gone.wait()
-    stays = subprocess.Popen(["sleep", "60"], env=env)
+    # Popen returns at exec's point of no return, before /proc shows the new environment: wait for a word
+    stays = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                             env=env, stdout=subprocess.PIPE, text=True)
     try:
+        assert stays.stdout is not None and stays.stdout.readline() == "ready\n"
         assert chaos._left_behind(env) == [stays.pid]
     finally:
         stays.kill()
