@@ -23,8 +23,9 @@ from mnist_ddp.core import distributed, schedule
 from mnist_ddp.core.batches import ShardedBatches
 from mnist_ddp.core.compute import autocast
 from mnist_ddp.model import ConvNet
+from mnist_ddp.tutorial import TutorialConvNet
 
-Setting = tuple[str, bool, bool]  # amp ("off", "bf16"), channels_last, torch.compile
+Setting = tuple[str, bool, bool, type[ConvNet]]  # amp ("off", "bf16"), channels_last, torch.compile, the model
 
 
 def step_speeds(settings: list[Setting], device: torch.device, batch_size: int, steps: int,
@@ -36,14 +37,15 @@ def step_speeds(settings: list[Setting], device: torch.device, batch_size: int, 
     images, labels = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,))
     recipe = replace(RECIPES["default"], scheduler="none")  # the default optimizer; a schedule costs nothing
     runs = []
-    for amp, channels_last, compiled in settings:
-        model = ConvNet().to(device)
+    for amp, channels_last, compiled, model_class in settings:
+        model = model_class().to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         opt, _ = schedule.build_optimizer(recipe, model)
         batches = ShardedBatches(images, labels, batch_size, rank=0, world=1, device=device, shuffle=True,
                                  channels_last=channels_last)
-        name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "")
+        name = f"amp {amp:4s} channels_last {channels_last!s:5s}" + (" compile" if compiled else "") + \
+            (", ReLU before the pool" if model_class is TutorialConvNet else "")
         runs.append((name, amp, torch.compile(model) if compiled else model, opt, batches, []))
     for rnd in range(rounds + 1):  # round 0 warms up (oneDNN primitives, compilation): not counted
         for _, amp, net, opt, batches, speeds in runs:
@@ -74,8 +76,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = distributed.pick_device(args.device, 0, 1)  # with its index, as training picks it
-    settings = [(amp, cl, False) for amp, cl in itertools.product(("off", "bf16"), (False, True))]
-    settings += [("bf16", True, True)] if args.compile else []
+    settings = [(amp, cl, False, ConvNet) for amp, cl in itertools.product(("off", "bf16"), (False, True))]
+    settings += [("bf16", True, True, ConvNet)] if args.compile else []
     runs = step_speeds(settings, device, args.batch_size, args.steps, args.rounds)
     print(f"{device.type}, {torch.get_num_threads()} threads, batch {args.batch_size}, {args.rounds} rounds "
           f"of {args.steps} steps; images/s")

@@ -1,5 +1,6 @@
 """The CPU's pace in one run: this machine's matrix-multiply peak, the training step's images/s as a fraction of it
-(the default step, eager, and the same step under torch.compile), and where a 2-epoch Fashion-MNIST run's seconds go.
+(the default step, eager; the same with each ReLU before its max-pool, in the tutorial's order; and the default
+step under torch.compile), and where a 2-epoch Fashion-MNIST run's seconds go.
 
 The yardstick of docs/speed.md's "the CPU's pace". The peak is measured here, at the threads training uses: a square
 bf16 and fp32 matrix product, best of a few. A training step's work is counted from the model's own layers: forward
@@ -27,6 +28,7 @@ from torch import nn
 from ab_compute import step_speeds
 from mnist_ddp.core import compute
 from mnist_ddp.model import ConvNet
+from mnist_ddp.tutorial import TutorialConvNet
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
@@ -98,7 +100,8 @@ def main() -> None:
     print(f"matrix product peak: bf16 {peaks['bf16']:,.0f} GFLOP/s, fp32 {peaks['fp32']:,.0f} GFLOP/s; a training "
           f"step: {flop / 1e6:.1f} MFLOP an image")
     peak = peaks["bf16" if amp == "bf16" else "fp32"]
-    settings = [(amp, channels_last, False)] + ([] if args.no_compile else [(amp, channels_last, True)])
+    settings = [(amp, channels_last, False, ConvNet), (amp, channels_last, False, TutorialConvNet)]
+    settings += [] if args.no_compile else [(amp, channels_last, True, ConvNet)]
     runs = step_speeds(settings, device, 100, args.steps, args.rounds)
     base = statistics.median(runs[0][1])
     for name, speeds in runs:

@@ -12,6 +12,7 @@ from mnist_ddp.core.batches import ShardedBatches
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.core.evaluation import evaluate
 from mnist_ddp.model import ConvNet, for_inference
+from mnist_ddp.tutorial import TutorialConvNet
 
 CPU = torch.device("cpu")
 
@@ -65,3 +66,33 @@ def test_the_evaluation_gives_the_models_own_numbers() -> None:
     confusion = torch.bincount(labels * 10 + logits.argmax(1), minlength=100).reshape(10, 10)
     assert torch.equal(result.confusion, confusion) and result.count == 500
     assert result.loss == pytest.approx(float(F.cross_entropy(logits, labels)), rel=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+def test_training_with_relu_after_the_pool_is_the_tutorials_order_bit_for_bit(channels_last: bool) -> None:
+    """ConvNet's forward applies each ReLU after its max-pool; the tutorial's applies it before. Three AdamW steps of
+    each from the same weights give the same losses and weights, bit for bit (max and ReLU commute, and their
+    gradients reach the same inputs); the control, the same steps from inputs one rounding apart, must differ."""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 1, 28, 28, generator=g).contiguous(memory_format=layout), torch.randint(0, 10, (64,),
+                                                                                                   generator=g)
+
+    def trained(model_class: type[ConvNet], images: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = model_class().to(memory_format=layout)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(images), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, model.state_dict()
+
+    ours, theirs = trained(ConvNet, x), trained(TutorialConvNet, x)
+    nudged = trained(TutorialConvNet, x.nextafter(torch.full_like(x, torch.inf)))
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0]))
+    assert all(torch.equal(v, theirs[1][k]) for k, v in ours[1].items())
+    assert not all(torch.equal(v, nudged[1][k]) for k, v in ours[1].items())
