@@ -9,6 +9,7 @@ Independent runs of one test go concurrently, to keep the wall time down on a sm
 import copyreg
 import errno
 import inspect
+import multiprocessing.synchronize
 import os
 import random
 import re
@@ -578,10 +579,12 @@ def test_a_rank_whose_group_is_still_closing_ends_at_once_with_its_line(tmp_path
     assert "the interpreter's exit ran" not in r.stdout and "Traceback" not in r.stderr
 
 
-def _frozen_after_the_last_step(rank: int, port: int, said: str) -> None:
+def _frozen_after_the_last_step(rank: int, port: int, said: str, up: multiprocessing.synchronize.Barrier) -> None:
     """Both ranks pass a last collective; rank 1 then freezes (SIGSTOP) and rank 0, done, leaves as a finished
-    rank does: its wait for rank 1 fails after --timeout, and it writes what that raised to `said`."""
+    rank does: its wait for rank 1 fails after --timeout, and it writes what that raised to `said`. `up`: a barrier
+    both pass once started, so the join's 4 s count no start-up."""
     torch.set_num_threads(1)
+    up.wait(HANG)
     d = distributed.join(identity.spawned(0, rank, 2, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 4,
                          heartbeat_s=0.2)
     d.all_sum(torch.ones(1))
@@ -603,7 +606,8 @@ def test_a_rank_frozen_after_the_last_step_is_named_by_the_one_left_waiting(tmp_
     said = tmp_path / "said"
     store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=60))
     ctx = mp.get_context("spawn")
-    ranks = [ctx.Process(target=_frozen_after_the_last_step, args=(r, store.port, str(said))) for r in range(2)]
+    up = ctx.Barrier(2)
+    ranks = [ctx.Process(target=_frozen_after_the_last_step, args=(r, store.port, str(said), up)) for r in range(2)]
     for p in ranks:
         p.start()
     try:

@@ -393,11 +393,11 @@ def test_a_job_whose_last_running_ranks_froze_for_good_ends_in_one_line(tmp_path
     env, mark = marked_env({lossplan.LOSE_VAR: lose})
     out, log = tmp_path / "out", tmp_path / "log"
     with reaped(mark):
-        run = start(["mnist_ddp", "train", *ARGS, "-g", "2", "--recover", "--timeout", "5", "--out", str(out)], env,
+        run = start(["mnist_ddp", "train", *ARGS, "-g", "2", "--recover", "--timeout", "15", "--out", str(out)], env,
                     tmp_path, log)
         rc, said = finish(run, log, RUN_TIMEOUT)
     frozen = [int(r) for r, *rest in (item.split(":") for item in lose.split(",")) if "SIGSTOP" in rest]
-    named = re.search(r"ranks? ([\d, ()pid]+) stopped answering: stopped \(SIGSTOP, or a debugger\) for --timeout 5 s",
+    named = re.search(r"ranks? ([\d, ()pid]+) stopped answering: stopped \(SIGSTOP, or a debugger\) for --timeout 15 s",
                       said)
     assert rc == 1 and named and "Traceback" not in said, said
     assert [int(r) for r in re.findall(r"(\d+) \(pid", named[1])] == frozen, said

@@ -28,8 +28,8 @@ from procfs import finish, free_port, marked_env, marked_pids, reaped, socket_in
 ADDRS = ("10.81.0.1", "10.81.0.2")
 TAG = f"tr{os.getpid() % 100000}"  # namespaces tr<pid>-0/-1, veth tr<pid>a (in -0) and tr<pid>b (in -1)
 HANG = 180  # seconds: a hang detector on a shared machine, not a timing assertion
-TRAIN = ["mnist_ddp", "train", *tiny(800, 200, epochs=2), "--seed", "3", "--timeout", "90"]
-LONG = ["mnist_ddp", "train", *tiny(800, 200, epochs=500), "--timeout", "90"]  # stopped once looked at
+TRAIN = ["mnist_ddp", "train", *tiny(800, 200, epochs=2), "--seed", "3", "--timeout", "300"]
+LONG = ["mnist_ddp", "train", *tiny(800, 200, epochs=500), "--timeout", "300"]  # stopped once looked at
 SOFT_LIMIT_1024 = ["sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh"]  # a common default soft limit of open files
 GOOD = {"rank": 1, "addr": "10.0.0.2", "host": "node2", "pid": 7, "nonce": "0" * 32, "run": {"seed": "3"},
         "mac": "0" * 64}  # a check-in's shape
