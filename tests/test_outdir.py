@@ -197,18 +197,25 @@ def test_writers_on_a_full_disk_keep_what_was_there(tmp_path: Path) -> None:
         assert _temp_files(fs) == []
 
 
-def test_plots_on_a_full_disk_keep_the_last_ones_whole(tmp_path: Path) -> None:
-    """Room left for epoch 2's metrics line (two pages), not for its curves.png: the write fails with the one line,
-    and curves.png and confusion.png are epoch 1's, byte for byte, whole PNGs; no temp file is left."""
+@pytest.mark.parametrize("raised", [None, KeyboardInterrupt], ids=["finished", "interrupted"])
+def test_plots_on_a_full_disk_keep_the_last_ones_whole(tmp_path: Path, raised: type[BaseException] | None) -> None:
+    """Room left for epoch 2's metrics line (two pages), not for its curves.png, which is drawn while the next epoch
+    trains: the run's end says the write failed in one line (an interrupted run's end keeps its own reason), and
+    curves.png and confusion.png are epoch 1's, byte for byte, whole PNGs; no temp file is left."""
     with _tmpfs(tmp_path / "fs", "2m") as fs:
         report = Reporter(fs, enabled=True, progress=False, plots=True)
         report.epoch(_epoch(1), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=1)
+        report.wait_for_plots()
         plots = {name: (fs / name).read_bytes() for name in ("curves.png", "confusion.png")}
         _fill(fs)
         os.truncate(fs / "filler", (fs / "filler").stat().st_size - 2 * 4096)
-        with pytest.raises(WriteFailed, match=NO_SPACE) as failed:
-            report.epoch(_epoch(2), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=2)
-        assert f"writing {fs / 'curves.png'};" in str(failed.value)
+        report.epoch(_epoch(2), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=2)
+        if raised is None:
+            with pytest.raises(WriteFailed, match=NO_SPACE) as failed:
+                report.close()
+            assert f"writing {fs / 'curves.png'};" in str(failed.value)
+        else:
+            report.close(raised)
         assert metrics(fs) == [_epoch(1), _epoch(2)]  # the line fitted
         assert {name: (fs / name).read_bytes() for name in plots} == plots
         for name in plots:

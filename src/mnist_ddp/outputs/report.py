@@ -1,8 +1,10 @@
 """What a run tells the world: console lines, metrics.jsonl, progress bar, plots, TensorBoard, MLflow. Only rank 0
 reports: the others' `Reporter(enabled=False)` does nothing, so the training loop needs no `if rank == 0` branches."""
 
+import contextlib
 import functools
 import json
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +32,7 @@ class Reporter:
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
         self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
-        self.drawing: Callable[[], None] | None = None  # the last epoch's plots, until `close` draws them
+        self.drawing: Drawing | None = None  # the last epoch's plots, drawn while training goes on
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard = tensorboard
         self.tb: TensorBoard | None = None  # the writer opens in `begin`, once the start is known
@@ -74,11 +76,14 @@ class Reporter:
 
     @timing.charged("outputs")
     def close(self, raised: type[BaseException] | None = None) -> None:
-        """The run's end, after its final line: the last epoch's plots (the result is said without waiting for them),
-        then TensorBoard's files closed and the MLflow run finished, or marked stopped by `raised` (an interrupt, an
-        error)."""
+        """The run's end, after its final line: the last epoch's plots drawn (the result is said without waiting for
+        them), then TensorBoard's files closed and the MLflow run finished, or marked stopped by `raised` (an
+        interrupt, an error: the run's own, which a failure to draw does not replace)."""
         if raised is None:
-            self._draw_pending()
+            self.wait_for_plots()
+        else:
+            with contextlib.suppress(Exception):
+                self.wait_for_plots()
         if self.tb is not None:
             self.tb.close()
         if self.tracker is not None:  # last: it sends the run's files, model.safetensors among them
@@ -141,37 +146,41 @@ class Reporter:
                  f"{metrics['images_per_second']:,.0f} img/s  {metrics['epoch_seconds']:.1f} s")
         if self.tracker is not None:
             self.tracker.epoch(step, metrics)
-        self.drawing = functools.partial(self._draw, metrics, confusion, classes, step)
-        if metrics["epoch"] < metrics["epochs"]:  # else the run's last: drawn by `close`, after the final line
-            self._draw_pending()
+        self.wait_for_plots()  # the epoch before's: a failure to draw them (a full disk) ends the run here
+        if self.plots or self.tb is not None:
+            # matplotlib imported here, not in the thread: two threads importing can deadlock (docs/speed.md)
+            draw = functools.partial(self._draw, matplotlib_figure(), metrics, confusion, classes, step,
+                                     self.history(), list(self.logged))
+            self.drawing = Drawing(draw)
 
-    def _draw_pending(self) -> None:
+    def wait_for_plots(self) -> None:
+        """Wait until the last epoch's plots are drawn; raises what drawing them raised."""
         if self.drawing is not None:
-            self.drawing()
-            self.drawing = None
+            drawing, self.drawing = self.drawing, None
+            drawing.wait()
 
-    def _draw(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
-        """An epoch's plots and TensorBoard values."""
-        figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
+    def _draw(self, figure_class: Any | None, metrics: dict[str, Any], confusion: torch.Tensor,
+              classes: tuple[str, ...], step: int, rows: list[dict[str, Any]], logged: list[dict[str, float]]) -> None:
+        """An epoch's plots and TensorBoard values, from the metrics lines and logged steps so far."""
         figure = _confusion_figure(figure_class, confusion, classes) if figure_class else None  # drawn once, for both
         if self.plots and figure is not None:
-            self._plot(figure_class, figure)
+            self._plot(figure_class, figure, rows, logged)
         if self.tb is not None:
             self.tb.epoch(step, metrics, figure)
 
     def history(self) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_path)
 
-    def _plot(self, figure_class: Any, confusion_figure: Any) -> None:
-        """curves.png (the train loss of every logged step and each epoch's losses and test accuracy, against
-        epochs: samples seen / samples per epoch) and confusion.png."""
-        rows = self.history()
+    def _plot(self, figure_class: Any, confusion_figure: Any, rows: list[dict[str, Any]],
+              logged: list[dict[str, float]]) -> None:
+        """curves.png (the train loss of every `logged` step and each epoch's losses and test accuracy, from `rows`,
+        against epochs: samples seen / samples per epoch) and confusion.png."""
         epochs = [r["epoch"] for r in rows]
         from matplotlib.ticker import MaxNLocator
 
         fig = figure_class(figsize=(11, 4))
         ax1, ax2 = fig.subplots(1, 2)
-        ax1.plot([p["epoch"] for p in self.logged], [p["train_loss"] for p in self.logged], "-", alpha=0.6,
+        ax1.plot([p["epoch"] for p in logged], [p["train_loss"] for p in logged], "-", alpha=0.6,
                  label="train, every logged step")
         ax1.hlines([r["train_loss"] for r in rows], [e - 1 for e in epochs], epochs, colors="C1",
                    label="train, epoch mean")
@@ -187,6 +196,27 @@ class Reporter:
         save_figure(fig, self.out / "curves.png")
 
         save_figure(confusion_figure, self.out / "confusion.png")
+
+
+class Drawing:
+    """`draw()` run in a thread of its own, from now on: an epoch's plots, drawn while the next epoch trains."""
+
+    def __init__(self, draw: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(draw,), name="mnist-ddp plots", daemon=True)
+        self.thread.start()
+
+    def _run(self, draw: Callable[[], None]) -> None:
+        try:
+            draw()
+        except BaseException as e:  # raised again by `wait`, in the thread that trains
+            self.error = e
+
+    def wait(self) -> None:
+        """Until the drawing is done; raises what it raised."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
