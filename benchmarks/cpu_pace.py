@@ -1,6 +1,7 @@
 """The CPU's pace in one run: this machine's matrix-multiply peak, the training step's images/s as a fraction of it
 (the default step, eager; the same with each ReLU before its max-pool, in the tutorial's order; and the default
-step under torch.compile), and where a 2-epoch Fashion-MNIST run's seconds go.
+step under torch.compile), the evaluation at the default batch and at 1,000, and where a 2-epoch Fashion-MNIST run's
+seconds go.
 
 The yardstick of docs/speed.md's "the CPU's pace". The peak is measured here, at the threads training uses: a square
 bf16 and fp32 matrix product, best of a few. A training step's work is counted from the model's own layers: forward
@@ -26,7 +27,11 @@ import torch
 from torch import nn
 
 from ab_compute import step_speeds
+from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.core import compute
+from mnist_ddp.core.batches import ShardedBatches
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.core.evaluation import evaluate
 from mnist_ddp.model import ConvNet
 from mnist_ddp.tutorial import TutorialConvNet
 
@@ -62,6 +67,26 @@ def training_flop(model: nn.Module) -> float:
         h.remove()
     forward = 2 * sum(macs)
     return 3 * forward - 2 * macs[0]
+
+
+def evaluation_seconds(sizes: list[int], channels_last: bool, rounds: int) -> dict[int, float]:
+    """The median seconds of an evaluation of 10,000 images (random pixels) at each batch size, interleaved."""
+    device = torch.device("cpu")
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = ConvNet().to(memory_format=layout)  # type: ignore[call-overload]
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randint(0, 256, (10_000, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (
+        10_000,), generator=g)
+    batches = {n: ShardedBatches(images, labels, n, rank=0, world=1, device=device, shuffle=False, pad=False,
+                                 channels_last=channels_last) for n in sizes}
+    seconds: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(rounds + 1):  # round 0 warms up
+        for n in sizes:
+            start = time.perf_counter()
+            evaluate(model, batches[n], Dist(0, 0, 1, 1, device))
+            if rnd:
+                seconds[n].append(time.perf_counter() - start)
+    return {n: statistics.median(s) for n, s in seconds.items()}
 
 
 def time_line(flags: list[str], cwd: Path, src: Path) -> str:
@@ -109,6 +134,11 @@ def main() -> None:
         rate = med * flop / 1e9
         print(f"  step, {name:34s} {med:8,.0f} images/s  {rate:6,.0f} GFLOP/s = {rate / peak:.1%} of the "
               f"{'bf16' if amp == 'bf16' else 'fp32'} peak  ({med / base:.2f}x the eager step)")
+    default = TrainConfig().eval_batch_size
+    took = evaluation_seconds(sorted({default, 1000}, reverse=True), channels_last, args.rounds)
+    for n, seconds in took.items():
+        print(f"  evaluation of 10,000 images at batch {n:5,}: {seconds:.3f} s ({took[1000] / seconds:.2f}x "
+              f"batch 1,000){'  (the default)' if n == default else ''}")
     if args.no_run:
         return
     flags = ["--dataset", "fashion-mnist" if FASHION.is_dir() else "synthetic", "--epochs", "2"]
