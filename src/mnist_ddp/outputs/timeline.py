@@ -127,6 +127,7 @@ class StepProfiler:
         self.report.say(table(split, f"steps {self.window.start}-{self.window[-1]} of this run"))
         atomic.write(self.folder / "phases.json", lambda f: f.write(json.dumps(split, indent=1).encode()))
         figure_class = matplotlib_figure()
+        self.report.wait_for_plots()  # one thread draws at a time: matplotlib's fonts are shared
         if figure_class is None:
             self.report.say("profile: matplotlib is not installed, so timeline.png was not drawn")
         else:
