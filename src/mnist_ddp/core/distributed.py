@@ -247,7 +247,8 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
     # (membership.py) and starts its heartbeat before the group forms, then handed over.
     with _Joining(ident, device, timeout) as joining:
         store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
-        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)  # trust, heartbeat: skippable
+        # trust, heartbeat: skippable. rank and world are ident's, but for a --recover replacement's in a running job
+        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
         # nccl: device_id makes the communicator now, on this rank's GPU.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
