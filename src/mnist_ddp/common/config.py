@@ -157,7 +157,7 @@ class TrainConfig:
     # Micro-batches per process per optimizer step: at a run's first start the global batch becomes
     # batch_size × world × accumulate, kept in the checkpoint and by every resume at any world size.
     accumulate: int = 1
-    eval_batch_size: int = 250  # a CPU's cache holds its activations: 1.5x faster than 1000 (docs/speed.md)
+    eval_batch_size: int = 250  # its activations stay in a CPU's caches: 1.2-1.7x faster than 1000 (docs/speed.md)
     # Compute: None = the device's fastest (compute.py); an explicit value always wins.
     channels_last: bool | None = None
     compile: bool = False
