@@ -147,10 +147,11 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.epoch(step, metrics)
         self.wait_for_plots()  # the epoch before's: a failure to draw them (a full disk) ends the run here
-        if self.plots or self.tb is not None:
-            # matplotlib imported here, not in the thread: two threads importing can deadlock (docs/speed.md)
-            draw = functools.partial(self._draw, matplotlib_figure(), metrics, confusion, classes, step,
-                                     self.history(), list(self.logged))
+        # matplotlib imported here, not in the thread: two threads importing can deadlock (docs/speed.md)
+        figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
+        if figure_class is not None or self.tb is not None:  # else nothing to draw: no thread
+            draw = functools.partial(self._draw, figure_class, metrics, confusion, classes, step, self.history(),
+                                     list(self.logged))
             self.drawing = Drawing(draw)
 
     def wait_for_plots(self) -> None:
