@@ -70,6 +70,8 @@ class Trainer:
         cfg, r, d, train, test = self.cfg, self.cfg.recipe, self.d, self.data.train, self.data.test
         ddp.check_sync_bn(cfg.sync_bn, share)
         self.share = share
+        # The default run (no --accumulate, --bitwise or --profile, the world the run began with) is the textbook's:
+        # ShardedBatches and train_step (on a GPU, the same step captured: `run` picks the graph).
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
         how: dict[str, Any] = {"device": d.device, "normalize": r.normalize, "channels_last": self.channels_last}
         self.train_batches: ShardedBatches | StepBatches = (
@@ -151,7 +153,7 @@ class Trainer:
         """Train one epoch from `progress.consumed` on; returns the seconds since it `began`."""
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
-        self.stats.train()
+        self.stats.train()  # each rank trains on with its own BatchNorm statistics (the last fold left the mean)
         steps: Iterable[Any] = batches  # the step's kind (`_step`) takes what they hold; the graph, the step's index
         if self.graph:
             assert isinstance(batches, ShardedBatches)  # the graph step is the textbook's
@@ -174,7 +176,7 @@ class Trainer:
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
                 self._save()
-                self.stats.train()
+                self.stats.train()  # as above: the rank's own statistics back after the fold's mean
             self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
         self._fold()
         compute.sync(d.device)

@@ -13,9 +13,10 @@ from . import reduction
 from .batches import Share
 from .distributed import Dist
 
-# Each rank keeps its own BatchNorm statistics (averaged before use: steps.PartStats) instead of DDP re-sending
-# rank 0's before every forward, a collective as slow as the gradient all-reduce at this size. torch 2.13
-# renamed the switch; `broadcast_buffers` is its older name.
+# Each rank trains with its own BatchNorm statistics, averaged over the ranks before each evaluation and save
+# (steps.PartStats), instead of DDP re-sending rank 0's before every forward, a collective as slow as the gradient
+# all-reduce at this size. torch 2.13's `forward_sync_buffers` replaces `broadcast_buffers`; unlike the old switch
+# it still copies rank 0's buffers once, at the wrap, which changes nothing here (every rank starts alike).
 _NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
 NO_BUFFER_SYNC: dict[str, Any] = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
 
@@ -35,7 +36,6 @@ def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = Fa
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             model = DDP(model,
                         device_ids=[d.device.index] if d.device.type == "cuda" else None,  # this rank's GPU
-                        bucket_cap_mb=1,  # all 29k gradients in one bucket: one all-reduce per step, not several
                         gradient_as_bucket_view=not keep_grads,  # .grad is a view of the bucket: nothing copied
                         static_graph=not accumulating,  # no per-step bookkeeping; never with no_sync (torch bugs)
                         **NO_BUFFER_SYNC)  # no broadcast of rank 0's BatchNorm buffers before every forward

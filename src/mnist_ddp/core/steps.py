@@ -91,9 +91,10 @@ class PartStats:
     """BatchNorm's running statistics, one set per part of the step this rank trains, as if each part ran on a
     rank of its own; `average` loads their mean over every part of every rank into the model, in part order.
 
-    A rank that trains one part keeps its set in the model itself (no copies per step); one that trains several
-    swaps each part's set in around its forward (`use`). `parts` (every set, as the last average gathered
-    them) goes into checkpoints, so a resume at any world continues every part's own."""
+    The default run (one part per rank) trains with each rank's own statistics in the model, as DDP does without
+    its buffer broadcast; `average` puts the mean there for an evaluation or save, and `train` puts the rank's own
+    back. A rank that trains several parts swaps each part's set in around its forward (`use`). `parts` (every
+    set, as the last average gathered them) goes into checkpoints, so a resume at any world continues each part's."""
 
     def __init__(self, model: nn.Module, share: Share, rank: int, saved: torch.Tensor | None = None) -> None:
         self.live, self.share, self.mine = running_stats(model), share, list(share.parts_of(rank))
