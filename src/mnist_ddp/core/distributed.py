@@ -33,63 +33,129 @@ class PeerFailure(UserError):
     exit_code = 1
 
 
-def pick_device(name: str, local_rank: int, local_world_size: int, env: Mapping[str, str] = os.environ, *,
-                share: bool = False) -> torch.device:
-    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU (`gpu_index`; `share`: processes
-    may share one, --backend gloo).
-
-    A CUDA device always carries its index: `torch.cuda.set_device` and NCCL need to know which GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
-        return torch.device("cuda", gpu_index(local_rank, local_world_size, torch.cuda.device_count(), env, share))
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device mps was asked for, but this PyTorch has no MPS support here.")
-    return torch.device(name)
-
-
-# Set where someone chose which GPUs each process sees: srun --gpus-per-task sets both, a wrapper script that
-# gives each rank its own GPU sets CUDA_VISIBLE_DEVICES.
-GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
-
-
-def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str],
-              share: bool = False) -> int:
-    """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` here) takes: its own by local
-    rank; cuda:0 when there are fewer and the launcher chose each process's (`GPU_CHOSEN_BY`, taken at its word:
-    `join` names a duplicate); with `share` (gloo, which NCCL's one-process-per-GPU rule does not bind), in turn;
-    else refused, as NCCL would stop the job (docs/design/nccl-errors.md)."""
-    processes = max(local_world_size, local_rank + 1)
-    if processes <= visible:
-        return local_rank
-    if any(env.get(name) for name in GPU_CHOSEN_BY):
-        return 0
-    if share:
-        return local_rank % visible
-    shared = "so they would all use cuda:0, which NCCL refuses" if visible == 1 else "too few for one each"
-    raise UserError(f"{processes} processes run on this machine but this one sees {visible} GPU"
-                    f"{'s' if visible > 1 else ''} ({shared}); start at most {visible} per machine "
-                    f"(torchrun --nproc-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1, "
-                    f"or CUDA_VISIBLE_DEVICES set per process), or let them share over --backend gloo.")
+def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: float, heartbeat_s: float = 0,
+         creds: Credentials | None = None) -> "Dist":
+    """Join the job's process group, once per rank, and return this process's `Dist` on `device` (one process: no
+    group). The backend: nccl for CUDA, gloo otherwise. Any failure is one sentence that says who or what was
+    missing (`_Joining`)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if ident.world_size == 1:
+        return Dist(0, ident.local_rank, 1, ident.local_world_size, device, ident.run_id)
+    if device.type == "mps":
+        raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
+    if backend == "nccl":
+        os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
+    # Every rank meets at the master's address and port: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT,
+    # else the launcher's rendezvous (identity.py). With init_method="env://" init_process_group would open the
+    # TCPStore there itself; here it is opened first, so that each rank proves it is one of the job's
+    # (membership.py) and starts its heartbeat before the group forms, then handed over.
+    with _Joining(ident, device, timeout) as joining:
+        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
+        # trust, heartbeat: skippable. rank and world are ident's, but for a --recover replacement's in a running job
+        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
+        # nccl: device_id makes the communicator now, on this rank's GPU.
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    return Dist(rank, ident.local_rank, world, ident.local_world_size, device, ident.run_id, joining.beat,
+                joining.entry)
 
 
-def sharing(device: torch.device, local_world_size: int, env: Mapping[str, str] = os.environ) -> str:
-    """The line that says this machine's processes share its GPUs (`gpu_index`'s `share`; '' where each has its own)."""
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    if local_world_size <= visible or not visible or any(env.get(name) for name in GPU_CHOSEN_BY):
-        return ""
-    return (f"gpu: {local_world_size} processes share {visible} GPU{'s' if visible > 1 else ''} over gloo, whose "
-            f"all-reduce goes through host memory: right to learn DDP on, not to measure its speed")
+def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
+    """Leave the process group: `destroy_process_group`, called once from `launch.run_worker`'s `finally` (and by
+    recovery.py before it re-forms), so also after an error. `together` (after success): every rank waits for the
+    others first. After an error a dead peer may hold the group's threads: closing gets `leave_s`, and False means it
+    is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if together:
+        dist.barrier()  # on nccl, on the GPU the group is bound to (join's device_id)
+    gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
+    if together:
+        dist.destroy_process_group()
+        return True
+    closing = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    closing.start()
+    closing.join(leave_s)
+    return not closing.is_alive()
 
 
-def nccl_error_handling(env: Mapping[str, str]) -> dict[str, str]:
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so an NCCL failure raises in Python instead of a SIGABRT, unless the
-    user chose how NCCL errors are handled (docs/design/nccl-errors.md)."""
-    chosen = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
-              "NCCL_BLOCKING_WAIT")
-    return {} if any(name in env for name in chosen) else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+class _Joining:
+    """`join`'s extras, which a reader of the textbook can skip: the check-in that proves a rank is one of the job's,
+    the heartbeat, a replacement's place in a running job; and every failure of joining turned into one sentence."""
+
+    def __init__(self, ident: Identity, device: torch.device, timeout: timedelta) -> None:
+        self.ident, self.device, self.timeout = ident, device, timeout
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.beat: Heartbeat | None = None
+        self.entry: membership.Entry | None = None
+
+    def admit(self, store: dist.Store, creds: Credentials, heartbeat_s: float) -> tuple[int, int, dist.Store]:
+        """Check in, start beating, wait for every rank; this rank's place: its rank, the world and the store to form
+        the group on (a replacement: the running job's generation)."""
+        ident = self.ident
+        self.entry = membership.check_in(store, ident, creds, self.deadline)
+        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
+            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
+            self.beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
+                                  store_host=0 if ident.store_host == "rank0" else None)
+        membership.wait_for_all(store, ident, creds, self.entry, self.deadline)
+        where = membership.placement(store, creds, self.entry)
+        if not where:
+            return ident.rank, ident.world_size, store
+        self.entry = replace(self.entry, placed=where)
+        if self.beat:
+            self.beat.stop("joined the running job's generation", culprit=False)
+            self.beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
+                                  len(where.members), heartbeat_s, store_host=None)
+        return where.rank, len(where.members), dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
+
+    def __enter__(self) -> "_Joining":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        beat, ident = self.beat, self.ident
+        if e is None:
+            if beat:
+                beat.set_phase("setting up (data, model, checkpoint)")
+            return
+        if not isinstance(e, RuntimeError | ValueError | OSError):  # interrupted: leave no thread talking to the store
+            if beat:
+                beat.stop("interrupted", culprit=False)
+            return
+        who = beat.diagnose() if beat else ""  # DistStoreError and DistNetworkError are RuntimeErrors
+        if beat:
+            beat.stop(LOST_CONTACT, culprit=False)
+        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
+            raise UserError(_shared_gpu(ident, self.device)) from e
+        others = ident.world_size - 1
+        raise UserError(
+            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
+            f"{ident.master_addr}:{ident.master_port} within {self.timeout.total_seconds():g} s "
+            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
+            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
+            f"names the network interface gloo should use)."
+        ) from e
+
+
+def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
+    return (f"rank {ident.rank} and another process of this job use the same GPU ({device}; NCCL: \"Duplicate GPU "
+            f"detected\"); give each process its own GPU (srun --gpus-per-task 1, or CUDA_VISIBLE_DEVICES set per "
+            f"process), or start at most as many processes per machine as it has GPUs.")
+
+
+# What gloo and NCCL say when the other end of a collective died, or did not answer within --timeout.
+_PEER_GONE = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
+              "remote process exited", "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because a peer died or stopped answering — not a bug, and not a
+    configuration error (a bad NCCL setting must not be reported as a dead peer)."""
+    return isinstance(e, dist.DistNetworkError | dist.DistStoreError) or any(m in str(e) for m in _PEER_GONE)
 
 
 @dataclass(frozen=True)
@@ -225,126 +291,60 @@ def _bytes(t: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: float, heartbeat_s: float = 0,
-         creds: Credentials | None = None) -> Dist:
-    """Join the job's process group, once per rank, and return this process's `Dist` on `device` (one process: no
-    group). The backend: nccl for CUDA, gloo otherwise. Any failure is one sentence that says who or what was
-    missing (`_Joining`)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if ident.world_size == 1:
-        return Dist(0, ident.local_rank, 1, ident.local_world_size, device, ident.run_id)
-    if device.type == "mps":
-        raise UserError("MPS has no collective backend; run several processes on --device cpu instead.")
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = timedelta(seconds=timeout_s)
-    os.environ.update(rendezvous.socket_interfaces(ident, os.environ))  # gloo and NCCL where the ranks are
-    if backend == "nccl":
-        os.environ.update(nccl_error_handling(os.environ))  # read when the process group is made
-    # Every rank meets at the master's address and port: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT,
-    # else the launcher's rendezvous (identity.py). With init_method="env://" init_process_group would open the
-    # TCPStore there itself; here it is opened first, so that each rank proves it is one of the job's
-    # (membership.py) and starts its heartbeat before the group forms, then handed over.
-    with _Joining(ident, device, timeout) as joining:
-        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
-        # trust, heartbeat: skippable. rank and world are ident's, but for a --recover replacement's in a running job
-        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
-        # nccl: device_id makes the communicator now, on this rank's GPU.
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
-    return Dist(rank, ident.local_rank, world, ident.local_world_size, device, ident.run_id, joining.beat,
-                joining.entry)
+def pick_device(name: str, local_rank: int, local_world_size: int, env: Mapping[str, str] = os.environ, *,
+                share: bool = False) -> torch.device:
+    """`auto` is cuda, else mps, else cpu; each local process gets its own GPU (`gpu_index`; `share`: processes
+    may share one, --backend gloo).
+
+    A CUDA device always carries its index: `torch.cuda.set_device` and NCCL need to know which GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here.")
+        return torch.device("cuda", gpu_index(local_rank, local_world_size, torch.cuda.device_count(), env, share))
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps was asked for, but this PyTorch has no MPS support here.")
+    return torch.device(name)
 
 
-class _Joining:
-    """`join`'s extras, which a reader of the textbook can skip: the check-in that proves a rank is one of the job's,
-    the heartbeat, a replacement's place in a running job; and every failure of joining turned into one sentence."""
-
-    def __init__(self, ident: Identity, device: torch.device, timeout: timedelta) -> None:
-        self.ident, self.device, self.timeout = ident, device, timeout
-        self.deadline = time.monotonic() + timeout.total_seconds()
-        self.beat: Heartbeat | None = None
-        self.entry: membership.Entry | None = None
-
-    def admit(self, store: dist.Store, creds: Credentials, heartbeat_s: float) -> tuple[int, int, dist.Store]:
-        """Check in, start beating, wait for every rank; this rank's place: its rank, the world and the store to form
-        the group on (a replacement: the running job's generation)."""
-        ident = self.ident
-        self.entry = membership.check_in(store, ident, creds, self.deadline)
-        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
-            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-            self.beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
-                                  store_host=0 if ident.store_host == "rank0" else None)
-        membership.wait_for_all(store, ident, creds, self.entry, self.deadline)
-        where = membership.placement(store, creds, self.entry)
-        if not where:
-            return ident.rank, ident.world_size, store
-        self.entry = replace(self.entry, placed=where)
-        if self.beat:
-            self.beat.stop("joined the running job's generation", culprit=False)
-            self.beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
-                                  len(where.members), heartbeat_s, store_host=None)
-        return where.rank, len(where.members), dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
-
-    def __enter__(self) -> "_Joining":
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
-        beat, ident = self.beat, self.ident
-        if e is None:
-            if beat:
-                beat.set_phase("setting up (data, model, checkpoint)")
-            return
-        if not isinstance(e, RuntimeError | ValueError | OSError):  # interrupted: leave no thread talking to the store
-            if beat:
-                beat.stop("interrupted", culprit=False)
-            return
-        who = beat.diagnose() if beat else ""  # DistStoreError and DistNetworkError are RuntimeErrors
-        if beat:
-            beat.stop(LOST_CONTACT, culprit=False)
-        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
-            raise UserError(_shared_gpu(ident, self.device)) from e
-        others = ident.world_size - 1
-        raise UserError(
-            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
-            f"{ident.master_addr}:{ident.master_port} within {self.timeout.total_seconds():g} s "
-            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
-            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
-            f"names the network interface gloo should use)."
-        ) from e
+# Set where someone chose which GPUs each process sees: srun --gpus-per-task sets both, a wrapper script that
+# gives each rank its own GPU sets CUDA_VISIBLE_DEVICES.
+GPU_CHOSEN_BY = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_PER_TASK")
 
 
-def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
-    return (f"rank {ident.rank} and another process of this job use the same GPU ({device}; NCCL: \"Duplicate GPU "
-            f"detected\"); give each process its own GPU (srun --gpus-per-task 1, or CUDA_VISIBLE_DEVICES set per "
-            f"process), or start at most as many processes per machine as it has GPUs.")
+def gpu_index(local_rank: int, local_world_size: int, visible: int, env: Mapping[str, str],
+              share: bool = False) -> int:
+    """Which of the `visible` GPUs local process `local_rank` (of `local_world_size` here) takes: its own by local
+    rank; cuda:0 when there are fewer and the launcher chose each process's (`GPU_CHOSEN_BY`, taken at its word:
+    `join` names a duplicate); with `share` (gloo, which NCCL's one-process-per-GPU rule does not bind), in turn;
+    else refused, as NCCL would stop the job (docs/design/nccl-errors.md)."""
+    processes = max(local_world_size, local_rank + 1)
+    if processes <= visible:
+        return local_rank
+    if any(env.get(name) for name in GPU_CHOSEN_BY):
+        return 0
+    if share:
+        return local_rank % visible
+    shared = "so they would all use cuda:0, which NCCL refuses" if visible == 1 else "too few for one each"
+    raise UserError(f"{processes} processes run on this machine but this one sees {visible} GPU"
+                    f"{'s' if visible > 1 else ''} ({shared}); start at most {visible} per machine "
+                    f"(torchrun --nproc-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1, "
+                    f"or CUDA_VISIBLE_DEVICES set per process), or let them share over --backend gloo.")
 
 
-# What gloo and NCCL say when the other end of a collective died, or did not answer within --timeout.
-_PEER_GONE = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
-              "remote process exited", "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+def sharing(device: torch.device, local_world_size: int, env: Mapping[str, str] = os.environ) -> str:
+    """The line that says this machine's processes share its GPUs (`gpu_index`'s `share`; '' where each has its own)."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if local_world_size <= visible or not visible or any(env.get(name) for name in GPU_CHOSEN_BY):
+        return ""
+    return (f"gpu: {local_world_size} processes share {visible} GPU{'s' if visible > 1 else ''} over gloo, whose "
+            f"all-reduce goes through host memory: right to learn DDP on, not to measure its speed")
 
 
-def is_peer_failure(e: BaseException) -> bool:
-    """Whether `e` is a collective failing because a peer died or stopped answering — not a bug, and not a
-    configuration error (a bad NCCL setting must not be reported as a dead peer)."""
-    return isinstance(e, dist.DistNetworkError | dist.DistStoreError) or any(m in str(e) for m in _PEER_GONE)
-
-
-def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
-    """Leave the process group: `destroy_process_group`, called once from `launch.run_worker`'s `finally` (and by
-    recovery.py before it re-forms), so also after an error. `together` (after success): every rank waits for the
-    others first. After an error a dead peer may hold the group's threads: closing gets `leave_s`, and False means it
-    is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
-    if together:
-        dist.barrier()  # on nccl, on the GPU the group is bound to (join's device_id)
-    gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
-    if together:
-        dist.destroy_process_group()
-        return True
-    closing = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
-    closing.start()
-    closing.join(leave_s)
-    return not closing.is_alive()
+def nccl_error_handling(env: Mapping[str, str]) -> dict[str, str]:
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so an NCCL failure raises in Python instead of a SIGABRT, unless the
+    user chose how NCCL errors are handled (docs/design/nccl-errors.md)."""
+    chosen = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+              "NCCL_BLOCKING_WAIT")
+    return {} if any(name in env for name in chosen) else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
