@@ -19,7 +19,7 @@ import torch
 from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.core import schedule, state
 from mnist_ddp.core.batches import Share
-from mnist_ddp.core.steps import PartStats
+from mnist_ddp.core.bnstats import PartStats
 from mnist_ddp.model import ConvNet
 from mnist_ddp.recovery.snapshot import Snapshots
 

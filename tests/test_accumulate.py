@@ -23,8 +23,9 @@ from conftest import metrics, spawn_gloo, tiny
 from datafiles import one_thread
 from mnist_ddp.core import ddp, reduction
 from mnist_ddp.core.batches import Share, StepBatches, model_input
+from mnist_ddp.core.bnstats import PartStats
 from mnist_ddp.core.distributed import Dist
-from mnist_ddp.core.steps import PartStats, accumulate
+from mnist_ddp.core.steps import accumulate
 from mnist_ddp.model import ConvNet
 from mnist_ddp.outputs import checkpoint
 from procfs import finish, marked_env, reaped, start

@@ -12,8 +12,8 @@ import torch
 from conftest import cli_env, spawn_gloo
 from mnist_ddp.core import ddp
 from mnist_ddp.core.batches import Share
+from mnist_ddp.core.bnstats import PartStats
 from mnist_ddp.core.distributed import Dist
-from mnist_ddp.core.steps import PartStats
 from mnist_ddp.model import ConvNet
 
 WORLD = 2

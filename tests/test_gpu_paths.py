@@ -347,8 +347,8 @@ CPU_TENSOR_EDITS = [
     ("regroup", "totals.new_zeros(totals.shape)", "torch.zeros_like(totals)"),
     ("regroup", "(done, lr, loss, n) for", "(done, lr, torch.tensor(1.0), n) for"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
-    ("steps", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
-    ("steps", "self.share, self._flat())", "self.share, self._flat().cpu())"),
+    ("bnstats", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
+    ("bnstats", "self.share, self._flat())", "self.share, self._flat().cpu())"),
     ("launch", "torch.tensor(ident.attempt, device=d.device)", "torch.tensor(ident.attempt)"),
 ]
 

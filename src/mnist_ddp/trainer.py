@@ -16,11 +16,12 @@ from .common import timing
 from .common.config import TrainConfig
 from .core import compute, ddp, divergence, reduction, schedule, state
 from .core.batches import ShardedBatches, Share, Step, StepBatches
+from .core.bnstats import PartStats
 from .core.distributed import Dist
 from .core.divergence import nonfinite
 from .core.evaluation import EvalResult, evaluate
 from .core.state import Progress, Stretch
-from .core.steps import PartStats, slot_step, train_step
+from .core.steps import slot_step, train_step
 from .cudagraph import graphstep
 from .data import datasets
 from .model import ConvNet

@@ -180,7 +180,7 @@ def gather(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor,
 
 def all_parts(mine: Sequence[torch.Tensor], share: Share, like: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's parts on every rank, in part order (`gather`, waited for). Used for BatchNorm's statistics
-    per part (steps.PartStats)."""
+    per part (bnstats.PartStats)."""
     if share.world == 1:
         return list(mine)
     return in_part_order(gather(mine, share, like)[1], share)

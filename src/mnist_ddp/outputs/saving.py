@@ -14,10 +14,10 @@ from ..common.config import BITWISE_MUST_MATCH, MOST_SLOTS, RESUME_MUST_MATCH, T
 from ..common.errors import UserError
 from ..core import schedule
 from ..core.batches import Share
+from ..core.bnstats import running_stats
 from ..core.distributed import Dist
 from ..core.evaluation import EvalResult
 from ..core.state import Progress, Training
-from ..core.steps import running_stats
 from ..model import ConvNet
 from . import checkpoint, model_file
 

@@ -24,9 +24,9 @@ from ..common.config import TrainConfig, run_settings
 from ..common.errors import UserError
 from ..core import distributed
 from ..core.batches import ShardedBatches, Share, StepBatches
+from ..core.bnstats import PartStats
 from ..core.distributed import Dist, PeerFailure
 from ..core.state import Progress, Stretch, Training
-from ..core.steps import PartStats
 from ..joining import membership, rendezvous
 from ..joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
 from ..joining.identity import Identity

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 import torch
 
 from ..core.batches import Share
+from ..core.bnstats import PartStats
 from ..core.distributed import Dist
 from ..core.state import Stretch
-from ..core.steps import PartStats
 
 
 def batchnorm_sets(stats: PartStats, was: Share, d: Dist, known: Mapping[int, torch.Tensor]) -> torch.Tensor | None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from ..core.bnstats import PartStats
 from ..core.state import Progress, Stretch, Training
-from ..core.steps import PartStats
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
