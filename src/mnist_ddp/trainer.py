@@ -30,7 +30,6 @@ from .outputs.report import Reporter
 from .outputs.timeline import StepProfiler
 from .recovery import recovery
 from .recovery.recovery import Grow, Recovery
-from .recovery.snapshot import Snapshots
 
 
 class Stepped(NamedTuple):
@@ -59,8 +58,9 @@ class Trainer:
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
         self.graph: graphstep.GraphStep | None = None  # the CUDA graph step: `run` decides
         self.graph_loss = torch.zeros((), device=d.device)
-        self.snapshots = Snapshots(self.t) if recovery else None  # --recover: where each step began
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
+        if recovery:  # --recover keeps a copy of the state at each step's start (snapshot.py)
+            recovery.follow(self.t)
         self.profiler = StepProfiler(cfg.profile, d, rank0, Path(cfg.out) / "profile")  # --profile (timeline.py)
         # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
         self._deal(Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise))
@@ -161,19 +161,13 @@ class Trainer:
             steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first)
         for batch in self.rank0.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
-            if self.recovery and self.snapshots:  # --recover: a replacement may join here; the state it starts from
-                self.recovery.take_in(self)
-                self._lose_here("step")
-                self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
+            if self.recovery:  # --recover: replacements may join here; the state this step starts from is kept
+                self.recovery.step_begins(self)
             d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
             self.schedule(self.samples_done / (r.epochs * n))
             stepped = self._step(net, batch)
             timing.stepped()  # the first step ends the warm-up (timing.py)
-            self.stretch.add(stepped.loss, stepped.here, stepped.samples)
-            progress.consumed = min(n, progress.consumed + stepped.samples)  # the padding is not a sample consumed
-            if self.steps_done % cfg.log_every == 0:  # kept on the device; the next fold adds it up over the ranks
-                self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"],
-                                            stepped.loss.mul(stepped.here), stepped.samples))
+            self._count(stepped)
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
                 self._save()
@@ -182,6 +176,16 @@ class Trainer:
         self._fold()
         compute.sync(d.device)
         return time.perf_counter() - began
+
+    def _count(self, stepped: Stepped) -> None:
+        """The step's loss and samples added to this rank's stretch, on the device (nothing waits for it: the next fold
+        adds the ranks' up), every --log-every-th step's loss kept, and the epoch's position moved on."""
+        progress, n = self.t.progress, len(self.data.train.labels)
+        self.stretch.add(stepped.loss, stepped.here, stepped.samples)
+        progress.consumed = min(n, progress.consumed + stepped.samples)  # the padding is not a sample consumed
+        if self.steps_done % self.cfg.log_every == 0:
+            self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"],
+                                        stepped.loss.mul(stepped.here), stepped.samples))
 
     def _step(self, net: nn.Module, batch: Any) -> Stepped:
         """One optimizer step, of the kind this run trains, chosen here alone (each takes the batches its kind deals):
@@ -230,9 +234,8 @@ class Trainer:
     def _fold(self) -> None:
         """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
         count, kept step losses and count of non-finite numbers, in one all-reduce; stop if the run diverged."""
-        if self.snapshots:  # --recover: the state this fold starts from
-            self._lose_here("fold")
-            self.snapshots.take(self.stats, self.stretch, self.reduction.sets)
+        if self.recovery:  # --recover: the state this fold starts from is kept
+            self.recovery.fold_begins(self)
         s = self.stretch
         self.stats.average(self.steps_done)
         totals = self.d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=self.d.device),

@@ -26,6 +26,7 @@ from ..core import distributed
 from ..core.batches import ShardedBatches, Share, StepBatches
 from ..core.bnstats import PartStats
 from ..core.distributed import Dist, PeerFailure
+from ..core.reduction import Reduction
 from ..core.state import Progress, Stretch, Training
 from ..joining import membership, rendezvous
 from ..joining.heartbeat import BEAT_WAIT_S, Heartbeat, beats_prefix, gone
@@ -75,7 +76,7 @@ class Loop(Protocol):
     stats: PartStats
     stretch: Stretch
     rank0: Reporter
-    snapshots: Snapshots | None
+    reduction: Reduction
 
     @property
     def samples_done(self) -> int: ...
@@ -128,6 +129,7 @@ class Recovery:
         self.plan = LossPlan(os.environ, ident.rank)  # tests only: where this rank is lost on purpose
         self.await_at = int(os.environ.get(JOIN_VAR) or -1)
         self.store: dist.Store | None = None
+        self.snapshots: Snapshots | None = None  # `follow`: the loop's state at each position
         self.heartbeat: Heartbeat | None = None  # this generation's, once re-formed (the launcher stops the first's)
         self.roster: dict[int, dict] = {}  # first-world rank -> its beat, as last read (the lost's host and pid)
         # On several nodes: the standby stores to meet at should the store's host be lost (successor.py).
@@ -144,11 +146,11 @@ class Recovery:
     def recover(self, loop: Loop, failure: str) -> None:
         """A rank was lost: re-form with the survivors, go back to where the failed position began, and deal the
         run's slots over the new world (docs/design/recovery.md)."""
-        assert loop.snapshots is not None
+        assert self.snapshots is not None
         began, rank_was, share_was = time.perf_counter(), self.first[loop.d.rank], loop.share
-        new = self.reform(loop.d, loop.snapshots.position)
+        new = self.reform(loop.d, self.snapshots.position)
         loop.d = new.d
-        snap = loop.snapshots.restore(new.position)
+        snap = self.snapshots.restore(new.position)
         loop.stats.sets, loop.stretch = snap.sets, snap.stretch
         parts = regroup.batchnorm_sets(loop.stats, share_was, loop.d, snap.known)
         loop._deal(Share(slots=share_was.slots, world=loop.d.world_size, whole=loop.cfg.bitwise), parts)
@@ -167,6 +169,24 @@ class Recovery:
         return (f"{loop.d.world_size} process{'es' if many else ''} re-formed as generation {self.generation} in "
                 f"{time.perf_counter() - began:.2f} s and go{'' if many else 'es'} on from there"
                 f"{': ' + how if how else ''}")
+
+    def follow(self, t: Training) -> None:
+        """Keep snapshots of `t`, the loop's state, from now on (the loop calls it once, when built)."""
+        self.snapshots = Snapshots(t)
+
+    def step_begins(self, loop: Loop) -> None:
+        """At every step boundary: replacements may join here (`take_in`), and the state the step starts from is
+        kept, where survivors go back to if a rank is lost inside it."""
+        assert self.snapshots is not None
+        self.take_in(loop)
+        self.plan.reached("step", loop.steps_done)
+        self.snapshots.take(loop.stats, loop.stretch, loop.reduction.sets)
+
+    def fold_begins(self, loop: Loop) -> None:
+        """Before every fold: the state it starts from, kept like a step's."""
+        assert self.snapshots is not None
+        self.plan.reached("fold", loop.steps_done)
+        self.snapshots.take(loop.stats, loop.stretch, loop.reduction.sets)
 
     def saved(self, loop: Loop) -> None:
         """After an epoch's saves: one small all-reduce, so that a rank lost after the epoch's last collective (rank 0
@@ -316,8 +336,8 @@ class Recovery:
     def handover(self, loop: Loop, parts: torch.Tensor | None = None) -> None:
         """Rank 0's state, as a weights-only checkpoint in bytes with its digest (no pickle), on every rank of the
         grown world; a replacement (`joining`) takes it on, and all deal the run's slots over the world."""
-        t, s = loop.t, loop.stretch
-        assert loop.snapshots is not None
+        t, s, snapshots = loop.t, loop.stretch, self.snapshots
+        assert snapshots is not None
         if self.succession:  # the grown world's standby stores: the replacement's node has a new launcher
             self.succession.learn(loop.d)
 
@@ -328,7 +348,6 @@ class Recovery:
                 "position": snapshots.position,
                 "samples": s.samples, "logged": [[done, lr, n] for done, lr, _, n in s.logged],
                 **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {})}
-        snapshots = loop.snapshots
         found = loop.d.from_main(state, checkpoint.pack, checkpoint.unpack)
         assert found is not None
         where, got = found
@@ -339,7 +358,7 @@ class Recovery:
                 t.scaler.load_state_dict(got["scaler"])
             torch.set_rng_state(got["rng"])
             t.progress = Progress(**got["progress"])
-            loop.snapshots.position = got["position"]
+            snapshots.position = got["position"]
             zero = torch.zeros((), device=loop.d.device)
             loop.stretch = Stretch(zero.clone(), 0, got["samples"], [(done, lr, zero.clone(), n)
                                                                       for done, lr, n in got["logged"]])
