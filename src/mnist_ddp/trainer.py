@@ -154,7 +154,7 @@ class Trainer:
         """Train one epoch from `progress.consumed` on; returns the seconds since it `began`."""
         cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
         n, r = len(self.data.train.labels), cfg.recipe
-        self.stats.train()  # each rank trains on with its own BatchNorm statistics (the last fold left the mean)
+        self.stats.use_own()  # each rank trains with its own BatchNorm statistics (the last fold left the mean)
         steps: Iterable[Any] = batches  # the step's kind (`_step`) takes what they hold; the graph, the step's index
         if self.graph:
             assert isinstance(batches, ShardedBatches)  # the graph step is the textbook's
@@ -171,7 +171,7 @@ class Trainer:
             if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
                 self._fold()
                 self._save()
-                self.stats.train()  # as above: the rank's own statistics back after the fold's mean
+                self.stats.use_own()  # as above: the rank's own statistics back after the fold's mean
             self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
         self._fold()
         compute.sync(d.device)

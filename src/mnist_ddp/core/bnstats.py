@@ -22,7 +22,7 @@ class PartStats:
     rank of its own; `average` loads their mean over every part of every rank into the model, in part order.
 
     The default run (one part per rank) trains with each rank's own statistics in the model, as DDP does without
-    its buffer broadcast; `average` puts the mean there for an evaluation or save, and `train` puts the rank's own
+    its buffer broadcast; `average` puts the mean there for an evaluation or save, and `use_own` puts the rank's own
     back. A rank that trains several parts swaps each part's set in around its forward (`use`). `parts` (every
     set, as the last average gathered them) goes into checkpoints, so a resume at any world continues each part's."""
 
@@ -42,7 +42,7 @@ class PartStats:
         for b, value in zip(self.live, flat.split([b.numel() for b in self.live])):
             b.copy_(value.view_as(b))
 
-    def train(self) -> None:
+    def use_own(self) -> None:
         """Before training on: a rank with one part gets its own set back in the model (it may hold the mean)."""
         if self.in_model and self.live:
             self._load(self.sets[self.mine[0]])

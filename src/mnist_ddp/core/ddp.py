@@ -36,7 +36,7 @@ def wrap(model: nn.Module, d: Dist, *, sync_bn: bool = False, compile: bool = Fa
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             model = DDP(model,
                         device_ids=[d.device.index] if d.device.type == "cuda" else None,  # this rank's GPU
-                        gradient_as_bucket_view=not keep_grads,  # .grad is a view of the bucket: nothing copied
+                        gradient_as_bucket_view=not keep_grads,  # .grad a view of the bucket: the mean not copied out
                         static_graph=not accumulating,  # no per-step bookkeeping; never with no_sync (torch bugs)
                         **NO_BUFFER_SYNC)  # no broadcast of rank 0's BatchNorm buffers before every forward
         if hook is not None:

@@ -71,8 +71,8 @@ def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
     is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""
     if not (dist.is_available() and dist.is_initialized()):
         return True
-    if together:
-        dist.barrier()  # on nccl, on the GPU the group is bound to (join's device_id)
+    if together:  # no rank closes its connections while a peer still finishes (rank 0's last save): that made
+        dist.barrier()  # gloo's threads abort now and then. On nccl, on the GPU join bound the group to
     gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
     if together:
         dist.destroy_process_group()
