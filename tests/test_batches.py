@@ -16,9 +16,10 @@ CPU = torch.device("cpu")
 def test_len_is_the_number_of_batches_yielded(world: int) -> None:
     n = 101
     images, labels = torch.zeros(n, 28, 28, dtype=torch.uint8), torch.arange(n)
-    for pad in (True, False):
+    for once in (False, True):
         for rank in range(world):
-            b = ShardedBatches(images, labels, 8, rank=rank, world=world, device=CPU, shuffle=False, pad=pad)
+            b = ShardedBatches(images, labels, 8, rank=rank, world=world, device=CPU, shuffle=False,
+                               each_sample_once=once)
             assert len(b) == len(list(b))
 
 

@@ -58,7 +58,7 @@ def test_the_evaluation_gives_the_models_own_numbers() -> None:
     g = torch.Generator().manual_seed(2)
     images, labels = torch.randint(0, 256, (500, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (500,),
                                                                                                           generator=g)
-    batches = ShardedBatches(images, labels, 128, rank=0, world=1, device=CPU, shuffle=False, pad=False)
+    batches = ShardedBatches(images, labels, 128, rank=0, world=1, device=CPU, shuffle=False, each_sample_once=True)
     result = evaluate(model, batches, Dist(0, 0, 1, 1, CPU))
     assert model.training
     with torch.inference_mode():

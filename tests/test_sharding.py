@@ -22,9 +22,10 @@ def sampler_indices(n: int, rank: int, world: int, *, seed: int, epoch: int, shu
     return torch.tensor(list(sampler), dtype=torch.long)
 
 
-def _batches(n: int, rank: int, world: int, *, pad: bool = True, shuffle: bool = True) -> ShardedBatches:
+def _batches(n: int, rank: int, world: int, *, each_sample_once: bool = False, shuffle: bool = True) -> ShardedBatches:
     return ShardedBatches(torch.zeros(n, 28, 28, dtype=torch.uint8), torch.arange(n), 4, rank=rank, world=world,
-                          device=torch.device("cpu"), shuffle=shuffle, seed=3, pad=pad)
+                          device=torch.device("cpu"), shuffle=shuffle, seed=3,
+                          each_sample_once=each_sample_once)
 
 
 def test_epochs_reshuffle_and_ranks_partition() -> None:
@@ -44,7 +45,7 @@ def test_epochs_reshuffle_and_ranks_partition() -> None:
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 11, 997])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_eval_shards_cover_every_index_once(world: int, n: int, shuffle: bool) -> None:
-    shards = [_batches(n, rank, world, pad=False, shuffle=shuffle).indices() for rank in range(world)]
+    shards = [_batches(n, rank, world, each_sample_once=True, shuffle=shuffle).indices() for rank in range(world)]
     assert sorted(torch.cat(shards).tolist()) == list(range(n))
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 

@@ -80,7 +80,7 @@ class Trainer:
                            seed=cfg.seed, **how) if self.textbook else
             StepBatches(train.images, train.labels, r.batch_size, share, rank=d.rank, seed=cfg.seed, **how))
         self.test_batches = ShardedBatches(test.images, test.labels, cfg.eval_batch_size, rank=d.rank,
-                                           world=d.world_size, shuffle=False, pad=False, **how)
+                                           world=d.world_size, shuffle=False, each_sample_once=True, **how)
         self.stats = PartStats(self.t.model, share, d.rank, saved_stats)
         self.reduction = reduction.for_run(cfg.bitwise, self.t.model, share, d.rank)
         if self.recovery and isinstance(self.reduction, reduction.SlotReduction):  # --recover keeps every part's set
@@ -122,6 +122,8 @@ class Trainer:
         return result or evaluate(self.t.model, self.test_batches, self.d, self.amp)  # None: a finished run resumed
 
     def _wrap(self) -> nn.Module:
+        """The model under DDP in this world (ddp.wrap). A default run: DDP's own all-reduce, and `static_graph` (each
+        rank trains one micro-batch a step, so none accumulates under no_sync)."""
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
         g = self.graph  # the graph step's DDP: on its capture stream, the gradients in its flat buffer
         return ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,

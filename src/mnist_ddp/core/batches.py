@@ -18,16 +18,17 @@ class ShardedBatches:
     own DistributedSampler decides which of its samples this rank trains each epoch."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int, world: int,
-                 device: torch.device, shuffle: bool, seed: int = 0, pad: bool = True, normalize: bool = True,
-                 channels_last: bool = False) -> None:
+                 device: torch.device, shuffle: bool, seed: int = 0, each_sample_once: bool = False,
+                 normalize: bool = True, channels_last: bool = False) -> None:
         self.data = DeviceData(images, labels, device, normalize, channels_last)
         self.batch_size, self.rank, self.world = batch_size, rank, world
         n = len(labels)
         # Training: every world-th index of a permutation seeded by seed + epoch, padded to a multiple of the world.
-        # Evaluation (`pad=False`): every world-th sample, none repeated, so totals count each sample once.
+        # Evaluation (`each_sample_once`): every world-th sample, no sampler and no padding, so that the ranks' totals
+        # count each sample once.
         self.sampler: DistributedSampler | range = (  # a range of indices serves the sampler as its dataset
             DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
-            if pad else range(rank, n, world))
+            if not each_sample_once else range(rank, n, world))
         self.first = 0
 
     @property

@@ -36,8 +36,11 @@ class PeerFailure(UserError):
 def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: float, heartbeat_s: float = 0,
          creds: Credentials | None = None) -> "Dist":
     """Join the job's process group, once per rank, and return this process's `Dist` on `device` (one process: no
-    group). The backend: nccl for CUDA, gloo otherwise. Any failure is one sentence that says who or what was
-    missing (`_Joining`)."""
+    group). Where this differs from the textbook's join (`init_method="env://"`, torch's defaults): the backend named
+    (nccl for CUDA, gloo otherwise); `timeout_s` (--timeout, 180 s; torch's default is 30 minutes for gloo, 10 for
+    nccl); gloo's and NCCL's socket set to the interface that reaches the master, unless the user set it; the store
+    opened first (under -g hosted by node 0's launcher, not by rank 0) for the check-in and a heartbeat every
+    `heartbeat_s` (--heartbeat, 1 s). Any failure is one sentence that says who or what was missing (`_Joining`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ident.world_size == 1:

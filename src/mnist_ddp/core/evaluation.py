@@ -1,6 +1,6 @@
 """Exact test accuracy over all ranks: each rank scores its own shard, then one all-reduce.
 
-The evaluation shards are not padded (`ShardedBatches(pad=False)`: every world-th image), so every
+The evaluation shards are not padded (`ShardedBatches(each_sample_once=True)`: every world-th image), so every
 test image is counted exactly once however many ranks there are.
 """
 

@@ -62,7 +62,7 @@ def evaluation(cfg: EvalConfig) -> Evaluation:
     amp = compute.amp_for(was.amp, device)
     channels_last = compute.channels_last_for(was.channels_last, device)
     batches = ShardedBatches(data.test.images, data.test.labels, cfg.batch_size, rank=0, world=1, device=device,
-                             shuffle=False, pad=False, normalize=was.normalize, channels_last=channels_last)
+                             shuffle=False, each_sample_once=True, normalize=was.normalize, channels_last=channels_last)
     layout = torch.channels_last if channels_last else torch.preserve_format
     model = model.to(device, memory_format=layout)  # type: ignore[call-overload]  # documented; not in the stubs
     result = evaluate(model, batches, Dist(0, 0, 1, 1, device), amp)
