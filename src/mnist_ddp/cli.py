@@ -151,7 +151,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    f"hardware, else off {_by_recipe('amp')}")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout (default: on for CPU, off for GPUs)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (off by default: 0.6-0.85x the eager step on the 2-core CPUs "
+                   "measured, and slower than the CUDA graph step on a GPU; docs/speed.md)")
     g.add_argument("--graph-step", choices=("auto", "on", "off"), default=default(TrainConfig, "graph_step"),
                    help="the step as one CUDA graph, replayed (auto: on CUDA where each process trains one whole "
                    "micro-batch; on: also run eagerly on a CPU; docs/gpu.md)")
