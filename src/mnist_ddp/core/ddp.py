@@ -14,9 +14,10 @@ from .batches import Share
 from .distributed import Dist
 
 # Each rank trains with its own BatchNorm statistics, averaged over the ranks before each evaluation and save
-# (bnstats.PartStats), instead of DDP re-sending rank 0's before every forward, a collective as slow as the gradient
-# all-reduce at this size. torch 2.13's `forward_sync_buffers` replaces `broadcast_buffers`; unlike the old switch
-# it still copies rank 0's buffers once, at the wrap, which changes nothing here (every rank starts alike).
+# (bnstats.PartStats; in the loop: `Trainer._fold`'s `stats.average`, then `stats.use_own` before training goes on),
+# instead of DDP re-sending rank 0's before every forward, a collective as slow as the gradient all-reduce here.
+# torch 2.13's `forward_sync_buffers` replaces `broadcast_buffers`; unlike the old switch it still copies rank 0's
+# buffers once, at the wrap, which changes nothing here (every rank starts alike).
 _NEW_NAME = "forward_sync_buffers" in inspect.signature(DDP).parameters
 NO_BUFFER_SYNC: dict[str, Any] = {"forward_sync_buffers": False} if _NEW_NAME else {"broadcast_buffers": False}
 

@@ -74,8 +74,9 @@ def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
     is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""
     if not (dist.is_available() and dist.is_initialized()):
         return True
-    if together:  # no rank closes its connections while a peer still finishes (rank 0's last save): that made
-        dist.barrier()  # gloo's threads abort now and then. On nccl, on the GPU join bound the group to
+    if together:  # no rank closes its connections while a peer still finishes (rank 0's last save): under gloo
+        # that made a peer's threads abort now and then. On nccl the barrier runs on the GPU join bound the group to.
+        dist.barrier()
     gc.collect()  # the DDP wrapper, in reference cycles, holds the group: gone now, not while the interpreter exits
     if together:
         dist.destroy_process_group()
