@@ -4,9 +4,10 @@ NCCL takes only CUDA tensors on the rank's own GPU; gloo takes CPU tensors too, 
 collective passes every CPU test and fails on the first GPU. The rule, checked without running anything:
 
 1. torch.distributed's collectives are named (called, or taken as a value) only in HOMES: Dist's methods
-   (distributed.py), teardown's barrier and the comm hook's reductions (reduction.py); everything else goes
-   through Dist (d.all_sum, d.broadcast, d.gather, d.from_main). Code outside any function names none.
-2. Every tensor handed to `all_sum`, and the `like` that reduction.py's `gather`/`all_parts` make their rows like,
+   (distributed.py), teardown's barrier, the comm hook's reduction (reduction.py) and the gather of every rank's
+   parts (parts.py); everything else goes through Dist (d.all_sum, d.broadcast, d.gather, d.from_main). Code
+   outside any function names none.
+2. Every tensor handed to `all_sum`, and the `like` that parts.py's `gather`/`all_parts` make their rows like,
    is made on the device. An expression is made on the device when it is
    - a tensor factory call (torch.tensor, torch.zeros, …) with `device=` a `….device` or `device`;
    - the model's own tensors: `.parameters()`, `.buffers()`, `running_stats(…)` (the model was moved to
@@ -43,14 +44,14 @@ HOMES = {
     ("lesson", "evaluate"): "lesson 0's all_reduce, the textbook's: its counts are made with device=device",
     ("distributed", "teardown"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
     ("reduction", "MeanReduction.reduce"): "DDP's gradient bucket lives on the model's device",
-    ("reduction", "gather"): "its rows are made like `like` (new_zeros, new_empty): a gradient bucket or the "
+    ("parts", "gather"): "its rows are made like `like` (new_zeros, new_empty): a gradient bucket or the "
                              "model's BatchNorm statistics, on the model's device",
 }
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", "randn", "rand", "randint", "randperm",
              "linspace", "eye", "frombuffer", "from_numpy", "zeros_like", "ones_like", "empty_like", "full_like"}
 OFF_DEVICE = {"cpu", "numpy", "tolist", "item"}
 MODEL_STATE = {"parameters", "buffers", "running_stats", "buffer", "cross_entropy"}
-ROWS_LIKE = {"gather": 2, "all_parts": 2}  # reduction.py's functions -> the argument their tensors are made like
+ROWS_LIKE = {"gather": 2, "all_parts": 2}  # parts.py's functions -> the argument their tensors are made like
 HOW = ("make it on the rank's device (device=d.device, or from the model's tensors); a collective of its own goes "
        "into a Dist method in distributed.py, added to tests/collectives.py's HOMES with the reason its tensors are "
        "on the device")
@@ -325,7 +326,7 @@ def _element(seq: ast.expr, i: int, reader: Reader, fn: Fn) -> list[tuple[Fn, as
 
 
 def off_device_sums(src: Source) -> list[str]:
-    """Rule 2: every `….all_sum(x)` call's x, and every reduction.gather/all_parts call's `like`, read back to
+    """Rule 2: every `….all_sum(x)` call's x, and every parts.gather/all_parts call's `like`, read back to
     where it was made."""
     reader = Reader(src)
     found: dict[str, str] = {}  # where a tensor left the device -> the first collective call it reached

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .batches import Share
-from .reduction import all_parts, ordered_sum
+from .parts import all_parts, ordered_sum
 
 
 def running_stats(model: nn.Module) -> list[torch.Tensor]:
