@@ -1,5 +1,9 @@
-"""The training loop: one code path for one process and for any number of DDP ranks (every rank runs `run`;
-docs/reading-the-code.md walks through an epoch)."""
+"""The training loop: one code path for one process and for any number of DDP ranks (every rank runs `run`).
+
+A default run calls, in order: `_deal` (ShardedBatches: essential 2), `run` → `_wrap` (ddp.wrap: essential 3), then
+each epoch `_epoch` (set_epoch) → `_train_epoch` → `_step` → `_textbook_step` (steps.train_step: essential 4),
+`_fold` (BatchNorm's mean statistics, the losses' all-reduce), `evaluate`, `_save` (rank 0's: essential 5). What
+`self.recovery`, `self.graph`, `self.profiler` and the slot step add, a reader can skip (docs/ddp-path.md)."""
 
 import math
 import sys
