@@ -20,7 +20,10 @@ TRIALS ?= 200
 BUDGET ?= 3600
 ONLY ?=
 EXAMPLES ?= 1000
-FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+# drawn once (`?=` would draw again at each use: the seed printed would not be the seed run)
+ifndef FUZZ_SEED
+FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 
 .PHONY: train test lint bench soak chaos fuzz mutate clean
 
