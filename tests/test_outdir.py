@@ -9,6 +9,7 @@ outside as in test_faults.
 
 import errno
 import fcntl
+import math
 import os
 import re
 import signal
@@ -203,7 +204,7 @@ def test_plots_on_a_full_disk_keep_the_last_ones_whole(tmp_path: Path, raised: t
     trains: the run's end says the write failed in one line (an interrupted run's end keeps its own reason), and
     curves.png and confusion.png are epoch 1's, byte for byte, whole PNGs; no temp file is left."""
     with _tmpfs(tmp_path / "fs", "2m") as fs:
-        report = Reporter(fs, enabled=True, progress=False, plots=True)
+        report = Reporter(fs, enabled=True, progress=False, plots=True, plots_every_s=0)  # every epoch's drawn
         report.epoch(_epoch(1), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=1)
         report.wait_for_plots()
         plots = {name: (fs / name).read_bytes() for name in ("curves.png", "confusion.png")}
@@ -222,6 +223,24 @@ def test_plots_on_a_full_disk_keep_the_last_ones_whole(tmp_path: Path, raised: t
             with Image.open(fs / name) as image:
                 image.verify()  # a whole PNG: every chunk's CRC checks
         assert _temp_files(fs) == []
+
+
+def test_an_epochs_plots_wait_until_due_and_the_last_are_drawn(tmp_path: Path) -> None:
+    """With `plots_every_s` not yet passed, an epoch's plots are not drawn, and the next epoch's replace them; the
+    run's last epoch is drawn at once, and the last epoch of a run that ended early (--target-accuracy) at close."""
+    figures = ("curves.png", "confusion.png")
+    for n, last in ((1, 9), (9, 9)):
+        out = tmp_path / f"to epoch {n}"
+        out.mkdir()
+        report = Reporter(out, enabled=True, progress=False, plots=True, plots_every_s=math.inf)
+        for epoch in range(1, n + 1):
+            report.epoch(_epoch(epoch), torch.eye(10, dtype=torch.long), tuple("0123456789"), step=epoch)
+        report.wait_for_plots()
+        assert [(out / name).exists() for name in figures] == [n == last] * 2
+        report.close()
+        for name in figures:
+            with Image.open(out / name) as image:
+                image.verify()
 
 
 def test_disk_full_mid_run_ends_it_with_one_line_and_exit_1(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from . import tracking
 from .tb import TensorBoard
 
 T = TypeVar("T")
+PLOTS_EVERY_S = 10.0  # an epoch's plots are drawn once this long has passed since the last were, and at the run's end
 
 
 class Reporter:
@@ -25,14 +27,17 @@ class Reporter:
     every --log-every-th step to `<out>/steps.jsonl`, one per step."""
 
     def __init__(self, out: Path, enabled: bool, progress: bool = True, plots: bool = True,
-                 tensorboard: bool = False, mlflow: tracking.Tracking | None = None) -> None:
+                 tensorboard: bool = False, mlflow: tracking.Tracking | None = None,
+                 plots_every_s: float = PLOTS_EVERY_S) -> None:
         self.out, self.enabled, self.progress, self.plots = out, enabled, progress, plots
-        self.mlflow = mlflow
+        self.mlflow, self.plots_every_s = mlflow, plots_every_s
         self.tracker: tracking.MLflowRun | None = None  # the MLflow run opens in `begin` too
         self.metrics_path, self.steps_path = out / "metrics.jsonl", out / "steps.jsonl"
         self.timing_path = out / "timing.jsonl"
         self.logged: list[dict[str, float]] = []  # steps.jsonl's lines
         self.drawing: Drawing | None = None  # the last epoch's plots, drawn while training goes on
+        self.undrawn: Callable[[Any], None] | None = None  # an epoch's plots not yet due (`epoch`)
+        self.drawn_at = time.monotonic()  # when the last plots began, or training did
         # TensorBoard's x-axis is the run's training samples so far, which mean the same at any world size.
         self.tensorboard = tensorboard
         self.tb: TensorBoard | None = None  # the writer opens in `begin`, once the start is known
@@ -57,6 +62,7 @@ class Reporter:
         if self.mlflow is not None:
             self.tracker = tracking.MLflowRun(self.out, self.mlflow, self.say)
         self.logged = [point for point in read_jsonl(self.steps_path) if point["samples"] <= step]
+        self.drawn_at = time.monotonic()
 
     @timing.charged("outputs")
     def steps(self, points: list[dict[str, float]]) -> None:
@@ -79,6 +85,8 @@ class Reporter:
         """The run's end, after its final line: the last epoch's plots drawn (the result is said without waiting for
         them), then TensorBoard's files closed and the MLflow run finished, or marked stopped by `raised` (an
         interrupt, an error: the run's own, which a failure to draw does not replace)."""
+        if self.undrawn is not None:  # the run ended before its last epoch's plots were due
+            self._draw_undrawn()
         if raised is None:
             self.wait_for_plots()
         else:
@@ -112,7 +120,7 @@ class Reporter:
         """This Reporter, speaking from now on: the process that reported was lost (recovery.py), its files stay
         (on another node, this one's --out is made)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard, self.mlflow)
+        new = Reporter(self.out, True, self.progress, self.plots, self.tensorboard, self.mlflow, self.plots_every_s)
         new.begin(samples)
         new.add_steps(self.logged, samples)
         return new
@@ -137,7 +145,9 @@ class Reporter:
     @timing.charged("outputs")
     def epoch(self, metrics: dict[str, Any], confusion: torch.Tensor, classes: tuple[str, ...], step: int) -> None:
         """Record one finished epoch (ending at `step` samples of the run): console line, metrics.jsonl, plots,
-        TensorBoard, MLflow."""
+        TensorBoard, MLflow. The plots are drawn in a thread while the next epoch trains, each epoch's where
+        TensorBoard is on (it keeps them all), else the run's last epoch's and any epoch's `plots_every_s` after the
+        last drawing began: drawing costs ~0.3 s of a CPU (docs/outputs.md)."""
         if not self.enabled:
             return
         _append(self.metrics_path, metrics)
@@ -147,12 +157,22 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.epoch(step, metrics)
         self.wait_for_plots()  # the epoch before's: a failure to draw them (a full disk) ends the run here
-        # matplotlib imported here, not in the thread: two threads importing can deadlock (docs/speed.md)
-        figure_class = matplotlib_figure() if self.plots or self.tb is not None else None
-        if figure_class is not None or self.tb is not None:  # else nothing to draw: no thread
-            draw = functools.partial(self._draw, figure_class, metrics, confusion, classes, step, self.history(),
-                                     list(self.logged))
-            self.drawing = Drawing(draw)
+        if not (self.plots or self.tb is not None):
+            return
+        self.undrawn = functools.partial(self._draw, metrics=metrics, confusion=confusion, classes=classes, step=step,
+                                         rows=self.history(), logged=list(self.logged))
+        last = metrics["epoch"] == metrics["epochs"]
+        if self.tb is not None or last or time.monotonic() - self.drawn_at >= self.plots_every_s:
+            self._draw_undrawn()
+
+    def _draw_undrawn(self) -> None:
+        """Start drawing the undrawn plots in a thread. matplotlib is imported here, not in the thread: two threads
+        importing can deadlock (docs/speed.md)."""
+        figure_class = matplotlib_figure()
+        draw, self.undrawn = self.undrawn, None
+        if draw is not None and (figure_class is not None or self.tb is not None):  # else nothing to draw: no thread
+            self.drawn_at = time.monotonic()
+            self.drawing = Drawing(functools.partial(draw, figure_class))
 
     def wait_for_plots(self) -> None:
         """Wait until the last epoch's plots are drawn; raises what drawing them raised."""
@@ -160,7 +180,7 @@ class Reporter:
             drawing, self.drawing = self.drawing, None
             drawing.wait()
 
-    def _draw(self, figure_class: Any | None, metrics: dict[str, Any], confusion: torch.Tensor,
+    def _draw(self, figure_class: Any | None, *, metrics: dict[str, Any], confusion: torch.Tensor,
               classes: tuple[str, ...], step: int, rows: list[dict[str, Any]], logged: list[dict[str, float]]) -> None:
         """An epoch's plots and TensorBoard values, from the metrics lines and logged steps so far."""
         figure = _confusion_figure(figure_class, confusion, classes) if figure_class else None  # drawn once, for both
