@@ -3,7 +3,8 @@
 A default run calls, in order: `_deal` (ShardedBatches: essential 2), `run` → `_wrap` (ddp.wrap: essential 3), then
 each epoch `_epoch` (set_epoch) → `_train_epoch` → `_step` → `_textbook_step` (steps.train_step: essential 4),
 `_fold` (BatchNorm's mean statistics, the losses' all-reduce), `evaluate`, `_save` (rank 0's: essential 5). What
-`self.recovery`, `self.graph`, `self.profiler` and the slot step add, a reader can skip (docs/ddp-path.md)."""
+`self.recovery`, `self.graph`, `self.profiler`, the slot step and `_before_step`/`_after_step` add, a reader
+can skip (docs/ddp-path.md)."""
 
 import math
 import sys
@@ -76,7 +77,8 @@ class Trainer:
         ddp.check_sync_bn(cfg.sync_bn, share)
         self.share = share
         # The default run (no --accumulate, --bitwise or --profile, the world the run began with) is the textbook's:
-        # ShardedBatches and train_step (on a GPU, the same step captured: `run` picks the graph).
+        # M = W, so each rank trains one micro-batch a step (slots == parts == world), with ShardedBatches and
+        # train_step (on one GPU, the same step captured: `run` picks the graph; on a CPU `self.graph` stays None).
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
         how: dict[str, Any] = {"device": d.device, "normalize": r.normalize, "channels_last": self.channels_last}
         self.train_batches: ShardedBatches | StepBatches = (
@@ -158,8 +160,8 @@ class Trainer:
 
     def _train_epoch(self, net: nn.Module, epoch: int, began: float) -> float:
         """Train one epoch from `progress.consumed` on; returns the seconds since it `began`."""
-        cfg, d, progress, batches = self.cfg, self.d, self.t.progress, self.train_batches
-        n, r = len(self.data.train.labels), cfg.recipe
+        d, batches = self.d, self.train_batches
+        n, r = len(self.data.train.labels), self.cfg.recipe
         self.stats.use_own()  # each rank trains with its own BatchNorm statistics (the last fold left the mean)
         steps: Iterable[Any] = batches  # the step's kind (`_step`) takes what they hold; the graph, the step's index
         if self.graph:
@@ -167,21 +169,30 @@ class Trainer:
             steps = self.graph.begin_epoch(epoch, batches.indices(), batches.first)
         for batch in self.rank0.bar(steps, batches.steps_per_epoch, f"epoch {epoch + 1}/{r.epochs}",
                                      initial=batches.first):
-            if self.recovery:  # --recover: replacements may join here; the state this step starts from is kept
-                self.recovery.step_begins(self)
-            d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
+            self._before_step(epoch)  # extensions: --recover, the heartbeat's position
             self.schedule(self.samples_done / (r.epochs * n))
             stepped = self._step(net, batch)
-            timing.stepped()  # the first step ends the warm-up (timing.py)
             self._count(stepped)
-            if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and progress.consumed < n:
-                self._fold()
-                self._save()
-                self.stats.use_own()  # as above: the rank's own statistics back after the fold's mean
-            self.profiler.step(self.step_in_epoch, batches.steps_per_epoch)
+            self._after_step()  # extensions: --checkpoint-every, --profile, the warm-up's end
         self._fold()
         compute.sync(d.device)
         return time.perf_counter() - began
+
+    def _before_step(self, epoch: int) -> None:
+        """What a step's start means beyond the lesson's loop: a default run only tells the heartbeat where it is."""
+        if self.recovery:  # --recover: replacements may join here; the state this step starts from is kept
+            self.recovery.step_begins(self)
+        self.d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
+
+    def _after_step(self) -> None:
+        """What a step's end means beyond the lesson's loop: a default run only ends the warm-up's clock."""
+        cfg, n = self.cfg, len(self.data.train.labels)
+        timing.stepped()  # the first step ends the warm-up (timing.py)
+        if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and self.t.progress.consumed < n:
+            self._fold()
+            self._save()
+            self.stats.use_own()  # as in `_train_epoch`: the rank's own statistics back after the fold's mean
+        self.profiler.step(self.step_in_epoch, self.train_batches.steps_per_epoch)
 
     def _count(self, stepped: Stepped) -> None:
         """The step's loss and samples added to this rank's stretch, on the device (nothing waits for it: the next fold

@@ -106,7 +106,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
             if report:
                 report(e)
             raise
-        finally:
+        finally:  # essential 6: after success a barrier, then destroy_process_group; after an error, a bounded leave
             _stop(ident, d, rec, finished, report)
 
 
