@@ -77,8 +77,8 @@ def evaluation_seconds(sizes: list[int], channels_last: bool, rounds: int) -> di
     g = torch.Generator().manual_seed(0)
     images, labels = torch.randint(0, 256, (10_000, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (
         10_000,), generator=g)
-    batches = {n: ShardedBatches(images, labels, n, rank=0, world=1, device=device, shuffle=False, pad=False,
-                                 channels_last=channels_last) for n in sizes}
+    batches = {n: ShardedBatches(images, labels, n, rank=0, world=1, device=device, shuffle=False,
+                                 each_sample_once=True, channels_last=channels_last) for n in sizes}
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
     for rnd in range(rounds + 1):  # round 0 warms up
         for n in sizes:

@@ -58,7 +58,8 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
     # (membership.py) and starts its heartbeat before the group forms, then handed over.
     with _Joining(ident, device, timeout) as joining:
         store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
-        # trust, heartbeat: skippable. rank and world are ident's, but for a --recover replacement's in a running job
+        # trust, heartbeat: skippable. Returns ident's rank and world and this store, unchanged but for a --recover
+        # replacement, which is given its place in the running job
         rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
         # nccl: device_id makes the communicator now, on this rank's GPU.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
