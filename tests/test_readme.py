@@ -1,10 +1,11 @@
 """The README stays a short tour, and its map of the code stays true.
 
-Every relative link in README.md and docs/ must lead to a file that exists (and, for a link into a Markdown
-file, to a heading there); every link to a line of a .py file (`file.py#L42`) must land on the `def` or
-`class` of the symbol its label names in backticks, e.g. [`distributed.join`](src/mnist_ddp/core/distributed.py#L42)
-must point at `def join`, and a label that is code, e.g. [`DDP(model, device_ids=…)`](src/mnist_ddp/core/ddp.py#L30),
-on a line holding that code up to its first `…`. So a commit that moves code without moving the links fails here.
+Every relative link in README.md and docs/ must lead to a file that exists (and, for a link into a Markdown file, to
+a heading there); every link to a line of a .py file (`file.py#L42`) must land on the `def` or `class` of the symbol
+its label names in backticks, e.g. [`distributed.join`](src/mnist_ddp/core/distributed.py#L42) must point at `def
+join` at distributed.py's top level (`Trainer.run`: the `def run` in `class Trainer`), and a label that is code,
+e.g. [`DDP(model, device_ids=…)`](src/mnist_ddp/core/ddp.py#L30), on a line holding that code up to its first `…`.
+So a commit that moves code without moving the links fails here.
 """
 
 import re
@@ -60,6 +61,21 @@ def anchors(page: Path) -> set[str]:
             seen[base] = n + 1
             found.add(base if n == 0 else f"{base}-{n}")
     return found
+
+
+def wrong_owner(lines: list[str], n: int, symbol: str, stem: str) -> str:
+    """Why the def or class on line n is not the one `symbol` names by its qualifier ('' where it is): `Class.name`
+    must sit in `class Class`, and `module.name`, where `module` is the file's name, at the file's top level."""
+    parts = symbol.removesuffix("()").split(".")
+    if len(parts) < 2:
+        return ""
+    owner, line = parts[-2], lines[n - 1]
+    indent = len(line) - len(line.lstrip())
+    if owner[:1].isupper():
+        enclosing = next((m.group(1) for above in reversed(lines[:n - 1]) if (m := re.match(r"class\s+(\w+)", above))
+                          and len(above) - len(above.lstrip()) < indent), None) if indent else None
+        return "" if enclosing == owner else f"it is not in class {owner}"
+    return "" if owner != stem or indent == 0 else f"it is not at {stem}.py's top level"
 
 
 def _where(path: Path) -> str:
@@ -118,6 +134,8 @@ def test_every_line_link_lands_on_its_symbol() -> None:
             defined = ", ".join(str(i) for i, line in enumerate(lines, 1) if defines.match(line))
             hint = f"; `{name}` is defined on line {defined}" if defined else f"; no `{name}` in it"
             wrong.append(f"{where}: line {n} is {found.strip()!r}{hint}")
+        elif why := wrong_owner(lines, n, symbol.group(1), file.stem):
+            wrong.append(f"{where}: line {n} is {found.strip()!r}, but {why}")
     assert not wrong, "links to code that point at the wrong line:\n  " + "\n  ".join(wrong)
 
 
@@ -131,5 +149,11 @@ def test_the_checks_themselves() -> None:
     assert slug("Where DDP lives") == "where-ddp-lives"
     assert IDENTIFIER.fullmatch("distributed.join") and IDENTIFIER.fullmatch("steps.train_step()")
     assert not IDENTIFIER.fullmatch("DDP(model, device_ids=…)") and not IDENTIFIER.fullmatch("if rank == 0:")
+    module = ["def run():", "    pass", "class Trainer:", "    def run(self):", "        pass"]
+    assert wrong_owner(module, 1, "trainer.run", "trainer") == ""
+    assert wrong_owner(module, 4, "Trainer.run", "trainer") == ""
+    assert wrong_owner(module, 4, "trainer.run", "trainer")  # the method, where the module's function was named
+    assert wrong_owner(module, 1, "Trainer.run", "trainer")  # the function, where the method was named
+    assert wrong_owner(module, 4, "self.run", "trainer") == ""  # neither a class nor this module: not checked
     to_code = [t for label, t in links(README) if t.partition("#")[0].endswith(".py") and "#L" in t]
     assert len(to_code) >= 6, f"README.md's map of the DDP essentials links to {len(to_code)} lines of code"

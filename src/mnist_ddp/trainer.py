@@ -1,10 +1,10 @@
 """The training loop: one code path for one process and for any number of DDP ranks (every rank runs `run`).
 
-A default run calls, in order: `_deal` (ShardedBatches: essential 2), `run` → `_wrap` (ddp.wrap: essential 3), then
-each epoch `_epoch` (set_epoch) → `_train_epoch` → `_step` → `_textbook_step` (steps.train_step: essential 4),
-`_fold` (BatchNorm's mean statistics, the losses' all-reduce), `evaluate`, `_save` (rank 0's: essential 5). What
-`self.recovery`, `self.graph`, `self.profiler`, the slot step and `_before_step`/`_after_step` add, a reader
-can skip (docs/ddp-path.md)."""
+Read from the top: `run`, then `Trainer`, whose methods come in the order a default run calls them: `_deal`
+(ShardedBatches: essential 2), `run` → `_wrap` (ddp.wrap: essential 3), then each epoch `_epoch` (set_epoch) →
+`_train_epoch` → `_step` → `_textbook_step` (steps.train_step: essential 4), `_count`, `_fold` (BatchNorm's mean
+statistics, the losses' all-reduce), `evaluate`, `_save` (rank 0's: essential 5). Below the "Extensions" line, and
+in `self.recovery`, `self.graph` and `self.profiler`, is what a first reading can skip (docs/ddp-path.md)."""
 
 import math
 import sys
@@ -35,6 +35,25 @@ from .outputs.report import Reporter
 from .outputs.timeline import StepProfiler
 from .recovery import recovery
 from .recovery.recovery import Grow, Recovery
+
+
+def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
+    """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
+    # Rank 0 alone speaks (`rank0`, whose Reporter on the other ranks is silent) and saves (`_save`).
+    rank0 = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    data = datasets.load(cfg.data)
+    timing.enter("warm-up")  # the model, its optimizer, the first step
+    cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
+    rank0.say(summary.data_line(data))
+    trainer = Trainer(cfg, d, data, rank0, recovery)
+    try:
+        result = trainer.run()
+        trainer.rank0.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+    finally:  # trainer.rank0: the one speaking at the end (--recover may have handed it on)
+        trainer.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
+    trainer.rank0.wall_time(timing.finish())
+    return result.accuracy
 
 
 class Stepped(NamedTuple):
@@ -178,32 +197,6 @@ class Trainer:
         compute.sync(d.device)
         return time.perf_counter() - began
 
-    def _before_step(self, epoch: int) -> None:
-        """What a step's start means beyond the lesson's loop: a default run only tells the heartbeat where it is."""
-        if self.recovery:  # --recover: replacements may join here; the state this step starts from is kept
-            self.recovery.step_begins(self)
-        self.d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
-
-    def _after_step(self) -> None:
-        """What a step's end means beyond the lesson's loop: a default run only ends the warm-up's clock."""
-        cfg, n = self.cfg, len(self.data.train.labels)
-        timing.stepped()  # the first step ends the warm-up (timing.py)
-        if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and self.t.progress.consumed < n:
-            self._fold()
-            self._save()
-            self.stats.use_own()  # as in `_train_epoch`: the rank's own statistics back after the fold's mean
-        self.profiler.step(self.step_in_epoch, self.train_batches.steps_per_epoch)
-
-    def _count(self, stepped: Stepped) -> None:
-        """The step's loss and samples added to this rank's stretch, on the device (nothing waits for it: the next fold
-        adds the ranks' up), every --log-every-th step's loss kept, and the epoch's position moved on."""
-        progress, n = self.t.progress, len(self.data.train.labels)
-        self.stretch.add(stepped.loss, stepped.here, stepped.samples)
-        progress.consumed = min(n, progress.consumed + stepped.samples)  # the padding is not a sample consumed
-        if self.steps_done % self.cfg.log_every == 0:
-            self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"],
-                                        stepped.loss.mul(stepped.here), stepped.samples))
-
     def _step(self, net: nn.Module, batch: Any) -> Stepped:
         """One optimizer step, of the kind this run trains, chosen here alone (each takes the batches its kind deals):
         - the textbook step: each rank one micro-batch of a global batch, DDP's all-reduce mean (`train_step`);
@@ -220,33 +213,15 @@ class Trainer:
                           scaler=self.t.scaler)
         return Stepped(loss, len(y), len(y) * self.d.world_size)
 
-    def _slot_step(self, net: nn.Module, batch: Step) -> Stepped:
-        loss_sum = slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
-                             label_smoothing=self.cfg.recipe.label_smoothing, scaler=self.t.scaler,
-                             phase=self.profiler.phase)
-        here = sum(len(mb.y) for mb in batch.micro_batches)
-        return Stepped(loss_sum.div(max(here, 1)), here, batch.samples)  # a rank of --bitwise may train no sample
-
-    def _graph_step(self, net: nn.Module, batch: int) -> Stepped:
-        """`batch`: the step's index in its epoch (graphstep.py)."""
-        assert self.graph is not None
-        here = self.graph.size(batch)  # a loss made on the device (tests/collectives.py)
-        return Stepped(self.graph_loss.copy_(self.graph.step(batch)), here, here * self.d.world_size)
-
-    @property
-    def step_in_epoch(self) -> int:
-        """Optimizer steps of the current epoch done (what --checkpoint-every counts): the same at any world."""
-        return math.ceil(self.t.progress.consumed / self.train_batches.global_batch)
-
-    @property
-    def steps_done(self) -> int:
-        """Optimizer steps of the run so far (what --log-every counts)."""
-        return self.t.progress.epoch * self.train_batches.steps_per_epoch + self.step_in_epoch
-
-    @property
-    def samples_done(self) -> int:
-        """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis."""
-        return self.t.progress.epoch * len(self.data.train.labels) + self.t.progress.consumed
+    def _count(self, stepped: Stepped) -> None:
+        """The step's loss and samples added to this rank's stretch, on the device (nothing waits for it: the next fold
+        adds the ranks' up), every --log-every-th step's loss kept, and the epoch's position moved on."""
+        progress, n = self.t.progress, len(self.data.train.labels)
+        self.stretch.add(stepped.loss, stepped.here, stepped.samples)
+        progress.consumed = min(n, progress.consumed + stepped.samples)  # the padding is not a sample consumed
+        if self.steps_done % self.cfg.log_every == 0:
+            self.stretch.logged.append((self.samples_done, self.t.opt.param_groups[0]["lr"],
+                                        stepped.loss.mul(stepped.here), stepped.samples))
 
     def _fold(self) -> None:
         """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
@@ -267,20 +242,62 @@ class Trainer:
         divergence.check(math.isfinite(p.loss_sum) and not totals[2], self.t.scaler, p.epoch + 1, self.step_in_epoch,
                          self.t.opt.param_groups[0]["lr"], self.cfg.recipe.lr)
 
-    def _lose_here(self, point: str) -> None:
-        """Tests of --recover only: a loss planned at this point of the loop (lossplan.py)."""
-        if self.recovery:
-            self.recovery.plan.reached(point, self.steps_done)
-
-    def _reached(self, accuracy: float) -> bool:
-        return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
-
     @timing.charged("outputs")
     def _save(self, best: EvalResult | None = None) -> None:
         """The checkpoint; where `best` is this epoch's result, the best model too (best.pt, model.safetensors)."""
         if self.d.is_main:  # rank 0 alone saves (and speaks, through `rank0`: see `run`)
             saving.save(Path(self.cfg.out), self.t, self.cfg, self.d, self.share.slots, self.stats.parts, best,
                        self.data.classes)
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Optimizer steps of the current epoch done (what --checkpoint-every counts): the same at any world."""
+        return math.ceil(self.t.progress.consumed / self.train_batches.global_batch)
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps of the run so far (what --log-every counts)."""
+        return self.t.progress.epoch * self.train_batches.steps_per_epoch + self.step_in_epoch
+
+    @property
+    def samples_done(self) -> int:
+        """Training samples of the run so far, over all ranks: the schedule's clock and TensorBoard's x-axis."""
+        return self.t.progress.epoch * len(self.data.train.labels) + self.t.progress.consumed
+
+    def _reached(self, accuracy: float) -> bool:
+        return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
+
+    # Extensions, which a first reading can skip: around each step (`--recover`, `--checkpoint-every`,
+    # `--profile`), the slot step and the CUDA graph step, `--resume`, and `--recover`'s planned losses.
+
+    def _before_step(self, epoch: int) -> None:
+        """What a step's start means beyond the lesson's loop: a default run only tells the heartbeat where it is."""
+        if self.recovery:  # --recover: replacements may join here; the state this step starts from is kept
+            self.recovery.step_begins(self)
+        self.d.set_phase("training", epoch + 1, self.step_in_epoch + 1)  # for a peer's timeout message
+
+    def _after_step(self) -> None:
+        """What a step's end means beyond the lesson's loop: a default run only ends the warm-up's clock."""
+        cfg, n = self.cfg, len(self.data.train.labels)
+        timing.stepped()  # the first step ends the warm-up (timing.py)
+        if cfg.checkpoint_every and self.step_in_epoch % cfg.checkpoint_every == 0 and self.t.progress.consumed < n:
+            self._fold()
+            self._save()
+            self.stats.use_own()  # as in `_train_epoch`: the rank's own statistics back after the fold's mean
+        self.profiler.step(self.step_in_epoch, self.train_batches.steps_per_epoch)
+
+    def _slot_step(self, net: nn.Module, batch: Step) -> Stepped:
+        loss_sum = slot_step(net, self.t.opt, batch, self.stats, self.reduction, amp=self.amp,
+                             label_smoothing=self.cfg.recipe.label_smoothing, scaler=self.t.scaler,
+                             phase=self.profiler.phase)
+        here = sum(len(mb.y) for mb in batch.micro_batches)
+        return Stepped(loss_sum.div(max(here, 1)), here, batch.samples)  # a rank of --bitwise may train no sample
+
+    def _graph_step(self, net: nn.Module, batch: int) -> Stepped:
+        """`batch`: the step's index in its epoch (graphstep.py)."""
+        assert self.graph is not None
+        here = self.graph.size(batch)  # a loss made on the device (tests/collectives.py)
+        return Stepped(self.graph_loss.copy_(self.graph.step(batch)), here, here * self.d.world_size)
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""
@@ -293,21 +310,7 @@ class Trainer:
         if line := summary.resume_line(resumed.world_was, resumed.share, self.cfg):
             self.rank0.say(line)
 
-
-def run(cfg: TrainConfig, d: Dist, recovery: Recovery | None = None) -> float:
-    """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
-    # Rank 0 alone speaks (`rank0`, whose Reporter on the other ranks is silent) and saves (`_save`).
-    rank0 = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    data = datasets.load(cfg.data)
-    timing.enter("warm-up")  # the model, its optimizer, the first step
-    cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
-    rank0.say(summary.data_line(data))
-    trainer = Trainer(cfg, d, data, rank0, recovery)
-    try:
-        result = trainer.run()
-        trainer.rank0.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
-    finally:  # trainer.rank0: the one speaking at the end (--recover may have handed it on)
-        trainer.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
-    trainer.rank0.wall_time(timing.finish())
-    return result.accuracy
+    def _lose_here(self, point: str) -> None:
+        """Tests of --recover only: a loss planned at this point of the loop (lossplan.py)."""
+        if self.recovery:
+            self.recovery.plan.reached(point, self.steps_done)
