@@ -3,8 +3,8 @@
 Read from the top: `run`, then `Trainer`, whose methods come in the order a default run calls them: `_deal`
 (ShardedBatches: essential 2), `run` → `_wrap` (ddp.wrap: essential 3), then each epoch `_epoch` (set_epoch) →
 `_train_epoch` → `_step` → `_textbook_step` (steps.train_step: essential 4), `_count`, `_fold` (BatchNorm's mean
-statistics, the losses' all-reduce), `evaluate`, `_save` (rank 0's: essential 5). Below the "Extensions" line, and
-in `self.recovery`, `self.graph` and `self.profiler`, is what a first reading can skip (docs/ddp-path.md)."""
+statistics, the losses' all-reduce), `evaluation.evaluate`, `_save` (rank 0's: essential 5). Below the "Extensions"
+line, and in `self.recovery`, `self.graph` and `self.profiler`, is what a first reading can skip (docs/ddp-path.md)."""
 
 import math
 import sys

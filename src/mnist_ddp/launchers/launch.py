@@ -106,7 +106,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
             if report:
                 report(e)
             raise
-        finally:  # essential 6: after success a barrier, then destroy_process_group; after an error, a bounded leave
+        finally:  # essential 6: _stop → leave_group → distributed.teardown (after success a barrier first)
             _stop(ident, d, rec, finished, report)
 
 
