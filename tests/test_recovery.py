@@ -332,12 +332,15 @@ def test_the_launcher_does_not_wait_for_ever_on_a_child_frozen_for_good() -> Non
     for p in children:
         p.start()
     result: list[bool] = []
-    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(children)), daemon=True)
+    retired: list[int | None] = []  # the frozen child's exit code when the standby was retired, once per call
+    waiting = threading.Thread(target=lambda: result.append(launch.await_every_child(
+        children, finished_run=lambda: retired.append(children[1].exitcode))), daemon=True)
     try:
         waiting.start()
         waiting.join(30)
         assert not waiting.is_alive(), "the launcher still waits for the frozen child after the run finished"
         assert result == [True] and children[1].exitcode is None
+        assert retired == [None], "the standby must be retired once, as soon as a child finished the run"
     finally:
         children[1].kill()
         for p in children:
@@ -356,8 +359,10 @@ def test_the_launcher_stops_waiting_once_a_child_failed_on_its_own(reported: boo
         p.start()
     result: list[tuple[bool, bool]] = []  # what it returned, and whether the frozen child had been killed by then
     killed = threading.Event()
+    retired: list[bool] = []  # no child finished the run: the standby stays, for the survivors to meet at
     waiting = threading.Thread(target=lambda: result.append(
-        (launch.await_every_child(children, lambda: reported), killed.is_set())), daemon=True)
+        (launch.await_every_child(children, lambda: reported, finished_run=lambda: retired.append(True)),
+         killed.is_set())), daemon=True)
     try:
         waiting.start()
         waiting.join(30 if reported else 3)
@@ -370,6 +375,7 @@ def test_the_launcher_stops_waiting_once_a_child_failed_on_its_own(reported: boo
             p.join(5)
         waiting.join(30)
     assert result == [(False, not reported)]  # the control returned once the frozen child ended, not before
+    assert retired == []
 
 
 def test_a_rank_frozen_before_it_joined_ends_the_job_in_one_line(tmp_path: Path) -> None:

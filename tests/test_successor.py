@@ -12,12 +12,13 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import suppress
+from datetime import timedelta
 
 import pytest
 
 from conftest import cli_env
 from mnist_ddp.core.distributed import PeerFailure
-from mnist_ddp.joining import membership
+from mnist_ddp.joining import membership, rendezvous
 from mnist_ddp.joining.identity import Identity
 from mnist_ddp.recovery import successor
 from procfs import free_port
@@ -129,3 +130,15 @@ def test_an_ended_launcher_is_skipped_and_a_silent_store_stops_the_job(hosts: di
             sock.close()
     with pytest.raises(PeerFailure, match="no other node's launcher is left to take it over"):
         _survivor([(1, "127.0.0.1", free_port())]).take_over(time.monotonic() + 10)
+
+
+def test_a_retired_standby_leaves_no_successor_to_a_rank_that_wakes_late() -> None:
+    """Once a rank of its node finished the run, the launcher retires its standby: a rank presumed lost that wakes
+    after the store's host ended must find the port refused (the node's launcher counts as ended, and the rank
+    stops), not a store at which to re-form alone. The control: the same standby answers before it is retired."""
+    standby = successor.Standby("127.0.0.1", 2, membership.Credentials(SECRET, RUN), timedelta(seconds=30))
+    where = standby.where
+    assert rendezvous.reached(*where, 5.0) is True
+    standby.retire()
+    assert rendezvous.reached(*where, 5.0) is False
+    standby.close()  # what the launcher's `finally` then calls: nothing left to do

@@ -408,18 +408,20 @@ class Frozen:
 
 
 def await_every_child(processes: list[Child], failed: Callable[[], bool] = lambda: False,
-                      frozen: Callable[[], None] = lambda: None) -> bool:
+                      frozen: Callable[[], None] = lambda: None,
+                      finished_run: Callable[[], None] = lambda: None) -> bool:
     """--recover, where a lost child does not end the job (recovery.py): wait until every child has ended, or, once
     one finished the run, SETTLE_S more (a rank presumed lost may be frozen for good: the caller stops it), or until
     one ended with a failure nobody goes on from (`failed`, ErrorPipe.failed: the caller stops the rest); whether
     some finished the run (else the first failure is the job's). Each wait is on the children it saw running, and
-    `frozen` (Frozen.check) is called every LOOK_S."""
+    `frozen` (Frozen.check) is called every LOOK_S, `finished_run` (Standby.retire) once a child finished the run."""
     finished = None  # when a child was first seen to have finished the run
     while running := [p.sentinel for p in processes if p.exitcode is None]:
         if any(p.exitcode not in (None, 0) for p in processes) and failed():
             return False
         if finished is None and any(p.exitcode == 0 for p in processes):
             finished = time.monotonic()
+            finished_run()
         left = LOOK_S if finished is None else finished + SETTLE_S - time.monotonic()
         if left <= 0:
             break
@@ -461,7 +463,8 @@ def spawn(cfg: TrainConfig, began: float) -> int:
                 if not cfg.recover:
                     while not multiprocessing.connection.wait(list(children.sentinels), LOOK_S):
                         frozen.check()
-                elif await_every_child(children.processes, reports.failed, frozen.check):  # the others finished
+                elif await_every_child(children.processes, reports.failed, frozen.check,  # the others finished
+                                       standby.retire if standby else lambda: None):
                     break
                 if not aborted and any(p.exitcode == -signal.SIGABRT for p in children.processes):
                     aborted = _after_abort(children, cfg, store)

@@ -63,10 +63,19 @@ class Standby:
 
     def close(self) -> None:
         """Stop answering (the store closes with the launcher)."""
+        if self.closed:
+            return
         self.closed = True
         with suppress(RuntimeError):
             self.store.queue_push(CHALLENGES, "")
         self.thread.join(BEAT_WAIT_S)
+
+    def retire(self) -> None:
+        """The run has finished (a rank of this node ended it): close the store's port, so that a rank presumed lost
+        that wakes now finds no successor to go on at, and stops, rather than re-form alone and write over the run's
+        outputs from where it froze."""
+        self.close()
+        del self.store  # the TCPStore's server listens for as long as the object lives
 
 
 class Succession:
