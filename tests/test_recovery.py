@@ -218,6 +218,30 @@ def _two_nodes(tmp_path: Path, env: dict[str, str]) -> Callable[..., subprocess.
     return node
 
 
+def test_a_rank_that_wakes_after_the_run_finished_writes_nothing(tmp_path: Path) -> None:
+    """-n 2 -g 2 --recover: node 1's first rank is frozen for good, the other three re-form and finish, and node 0's
+    launcher ends with the store. Woken then, while node 1's launcher still stands, the rank must not re-form alone at
+    node 1's standby and train on from where it froze, writing its own outputs: node 1's launcher retired the standby
+    when its other rank finished. Without that, the woken rank became rank 0 of a world of one (docs/design/
+    recovery.md, "After the run")."""
+    env, mark = marked_env()
+    node, outs = _two_nodes(tmp_path, env), [tmp_path / "node0", tmp_path / "node1"]
+    with reaped(mark):
+        nodes = [node(n, f"node{n}.log", "-g", "2", "--timeout", "10", "--checkpoint-every", "2") for n in range(2)]
+        wait_for("training", lambda: progress(outs[0]), RUN_TIMEOUT, running=nodes[0])
+        frozen = spawned_workers(nodes[1].pid)[0]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            rc0, said0 = finish(nodes[0], tmp_path / "node0.log", RUN_TIMEOUT)
+        finally:
+            os.kill(frozen, signal.SIGCONT)  # the store's host gone, node 1's launcher still there
+        rc1, said1 = finish(nodes[1], tmp_path / "node1.log", RUN_TIMEOUT)
+    assert rc0 == 0 and len(_recover_lines(said0)) == 1, said0
+    assert [m["epoch"] for m in metrics(outs[0])] == [1, 2]
+    assert rc1 == 0 and "re-formed" not in said1, said1
+    assert not outs[1].exists() or not any(outs[1].iterdir()), (sorted(outs[1].iterdir()), said1)
+
+
 def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path, bitwise: dict[str, tuple[Path, str]]) -> None:
     """-n 2 -g 1 on loopback: node 1's rank is lost at step 7 and node 1 is started again with the same command;
     it checks in, joins where step 41 begins (recovery.JOIN_VAR holds the run there for it), gets rank 0's state
