@@ -242,6 +242,30 @@ def test_a_rank_that_wakes_after_the_run_finished_writes_nothing(tmp_path: Path)
     assert not outs[1].exists() or not any(outs[1].iterdir()), (sorted(outs[1].iterdir()), said1)
 
 
+def test_a_nodes_only_rank_that_wakes_after_the_run_finished_writes_nothing(tmp_path: Path) -> None:
+    """-n 2 -g 1 --recover: node 1's only rank is frozen, node 0's rank goes on alone and finishes, and node 0's
+    launcher ends with the store. No rank of node 1 finished, so its launcher cannot know the run did; woken then,
+    the rank finds at node 1's standby the finish that rank 0 signed there with the job's secret, and stops, one
+    line, without re-forming alone and writing its own outputs (docs/design/recovery.md, "After the run")."""
+    env, mark = marked_env({"MNIST_DDP_SECRET": "a shared secret"})
+    node, outs = _two_nodes(tmp_path, env), [tmp_path / "node0", tmp_path / "node1"]
+    with reaped(mark):  # node 1's launcher would kill its rank after its --timeout stopped: longer than node 0's run
+        nodes = [node(0, "node0.log", "--timeout", "10"), node(1, "node1.log", "--timeout", "120")]
+        wait_for("training", lambda: progress(outs[0]), RUN_TIMEOUT, running=nodes[0])
+        frozen = spawned_workers(nodes[1].pid)[0]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            rc0, said0 = finish(nodes[0], tmp_path / "node0.log", RUN_TIMEOUT)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        rc1, said1 = finish(nodes[1], tmp_path / "node1.log", RUN_TIMEOUT)
+    assert rc0 == 0 and len(_recover_lines(said0)) == 1, said0
+    assert [m["epoch"] for m in metrics(outs[0])] == [1, 2]
+    lines = said1.strip().splitlines()
+    assert rc1 == 1 and len(lines) == 1 and "the run finished without it" in lines[0], said1
+    assert not outs[1].exists() or not any(outs[1].iterdir()), (sorted(outs[1].iterdir()), said1)
+
+
 def test_a_replacement_joins_and_the_world_grows_back(tmp_path: Path, bitwise: dict[str, tuple[Path, str]]) -> None:
     """-n 2 -g 1 on loopback: node 1's rank is lost at step 7 and node 1 is started again with the same command;
     it checks in, joins where step 41 begins (recovery.JOIN_VAR holds the run there for it), gets rank 0's state

@@ -15,6 +15,7 @@ from contextlib import suppress
 from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from conftest import cli_env
 from mnist_ddp.core.distributed import PeerFailure
@@ -27,6 +28,8 @@ SECRET, RUN = b"the job's secret", {"seed": "3", "world": "2"}
 HOSTS = """
 import json, socket, sys
 from datetime import timedelta
+
+import torch.distributed as dist
 import torch.distributed as dist
 from mnist_ddp.recovery import successor
 from mnist_ddp.joining.membership import Credentials
@@ -142,3 +145,23 @@ def test_a_retired_standby_leaves_no_successor_to_a_rank_that_wakes_late() -> No
     standby.retire()
     assert rendezvous.reached(*where, 5.0) is False
     standby.close()  # what the launcher's `finally` then calls: nothing left to do
+
+
+def test_a_standby_told_the_run_finished_stops_a_rank_that_wakes_late() -> None:
+    """With -g 1 no rank of a frozen rank's node finishes, so its launcher cannot retire the standby: rank 0 tells
+    every standby the run finished (`Succession.finish`), and a rank that wakes later stops there in one sentence.
+    The control: a word of a finish not signed with the job's secret is ignored, and that standby is taken over."""
+    creds = membership.Credentials(SECRET, RUN)
+    told, forged = (successor.Standby("127.0.0.1", 2, creds, timedelta(seconds=30)) for _ in range(2))
+    try:
+        rank0 = _survivor([(1, *told.where)])
+        rank0.finish()
+        stranger = dist.TCPStore(*forged.where, is_master=False, timeout=timedelta(seconds=5))
+        stranger.set(successor.FINISHED, successor.finish_mark(membership.Credentials(b"a guess", RUN), forged.where))
+        with pytest.raises(PeerFailure, match=r"^rank 3 was presumed lost, and the run finished without it"):
+            _survivor([(1, *told.where)]).take_over(time.monotonic() + 10)
+        _, where, _ = _survivor([(1, *forged.where)]).take_over(time.monotonic() + 10)
+        assert where == forged.where
+    finally:
+        told.close()
+        forged.close()

@@ -151,8 +151,8 @@ def _stop(ident: Identity, d: Dist | None, rec: recovery.Recovery | None, finish
     words = _last_words(sys.exc_info()[1])
     if d and d.heartbeat:
         d.heartbeat.stop(*words)
-    if rec:  # after a re-forming, the last generation's heartbeat
-        rec.stop(*words)
+    if rec:  # after a re-forming, the last generation's heartbeat; after the finish, the standbys told
+        rec.stop(*words, finished)
     beats = rec.heartbeat if rec and rec.heartbeat else d.heartbeat if d else None
     if not leave_group(d.rank if d else ident.rank, finished, report, beats.diagnose if beats else None):
         _leave_now(sys.exc_info()[1], told=report is not None)

@@ -195,8 +195,11 @@ class Recovery:
         self.plan.reached("saved", loop.steps_done)
         loop.d.all_sum(torch.zeros((), device=loop.d.device))
 
-    def stop(self, left: str, culprit: bool) -> None:
-        """Stop the heartbeat of the last generation, if the run re-formed (`Heartbeat.stop`)."""
+    def stop(self, left: str, culprit: bool, finished: bool) -> None:
+        """Stop the heartbeat of the last generation, if the run re-formed (`Heartbeat.stop`); once the run
+        `finished`, rank 0 tells every node's standby store so first (`Succession.finish`)."""
+        if finished and self.succession and self.first[0] == self.ident.rank:
+            self.succession.finish()
         if self.heartbeat is not None:
             self.heartbeat.stop(left, culprit)
 

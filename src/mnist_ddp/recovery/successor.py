@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import suppress
 from datetime import timedelta
+from functools import partial
 
 import torch.distributed as dist
 
@@ -25,6 +26,7 @@ from ..joining.identity import Identity
 CHALLENGES = "mnist_ddp/successor/challenges"  # a queue: each survivor pushes a random token onto it
 PROOF = "mnist_ddp/successor/proof/"  # + a token: the standby's answer, an HMAC with the job's secret
 AT, DECIDED = "mnist_ddp/successor/at/", "mnist_ddp/successor/decided"  # the survivors' agreement
+FINISHED = "mnist_ddp/successor/finished"  # rank 0's word that the run finished, an HMAC with the job's secret
 _HEX32 = re.compile(rb"[0-9a-f]{32}")
 POLL_S = 0.02
 Seat = tuple[int, str, int]  # a node's standby store: the node, its address, its port
@@ -37,6 +39,11 @@ class StoreGone(RuntimeError):
 def proof(creds: membership.Credentials, token: str, where: tuple[str, int]) -> str:
     """What only a holder of the job's secret can answer to `token` for the store at `where`."""
     return membership.vouch(creds, "successor", token, *where)
+
+
+def finish_mark(creds: membership.Credentials, where: tuple[str, int]) -> str:
+    """What rank 0 writes at the standby store at `where` once the run finished: only a holder of the secret can."""
+    return membership.vouch(creds, "finished", *where)
 
 
 class Standby:
@@ -97,6 +104,16 @@ class Succession:
         line = d.from_main(lambda: sorted({tuple(seat) for seat in every or [] if _seat(seat)}))
         self.line = [(n, a, p) for n, a, p in line if _seat([n, a, p]) and n > self.host]
 
+    def finish(self) -> None:
+        """The run finished (rank 0, last): every standby in line is told so, with the job's secret, for a rank of
+        its node presumed lost that wakes later to stop there, not re-form alone (docs/design/recovery.md, "After
+        the run"). A standby that does not take it within BEAT_WAIT_S is passed over."""
+        def tell(where: tuple[str, int]) -> None:
+            store = dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=BEAT_WAIT_S))
+            store.set(FINISHED, finish_mark(self.creds, where))
+        for _, addr, port in self.line:
+            bounded(partial(tell, (addr, port)), BEAT_WAIT_S)
+
     def gone(self, where: tuple[str, int]) -> bool:
         """Whether the store at `where` is known gone (its port refuses); PeerFailure when nothing answers at all."""
         answer = rendezvous.reached(*where, self.patience)
@@ -123,6 +140,11 @@ class Succession:
                                   f"successor to the lost rendezvous store: its host did not prove that it holds the "
                                   f"job's secret, so it is not node {node}'s launcher; the job stops. Run again with "
                                   f"--resume to continue from the last checkpoint.")
+            if store.check([FINISHED]) and hmac.compare_digest(store.get(FINISHED),
+                                                               finish_mark(self.creds, (addr, port)).encode()):
+                raise PeerFailure(f"rank {self.ident.rank} was presumed lost, and the run finished without it (rank "
+                                  f"0 said so at node {node}'s standby store); this process stops and writes "
+                                  f"nothing.")
             self.host, self.line = node, [seat for seat in self.line if seat[0] > node]
             return store, (addr, port), (f"node {lost}'s launcher, which held the rendezvous store, is gone: node "
                                          f"{node}'s ({addr}:{port}) holds it now")
