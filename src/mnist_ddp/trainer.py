@@ -98,6 +98,7 @@ class Trainer:
         # The default run (no --accumulate, --bitwise or --profile, the world the run began with) is the textbook's:
         # M = W, so each rank trains one micro-batch a step (slots == parts == world), with ShardedBatches and
         # train_step (on one GPU, the same step captured: `run` picks the graph; on a CPU `self.graph` stays None).
+        # `-g 2` on a CPU: Share(slots=2, world=2), textbook, ShardedBatches; `_wrap`: static_graph, no hook; no graph.
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
         how: dict[str, Any] = {"device": d.device, "normalize": r.normalize, "channels_last": self.channels_last}
         self.train_batches: ShardedBatches | StepBatches = (

@@ -65,7 +65,8 @@ class PartStats:
 
     def average(self, steps: int) -> None:
         """The model's buffers become the mean over all parts of all ranks (one all-gather), and every
-        num_batches_tracked the `steps` trained, which each part counts once per step, at any world."""
+        num_batches_tracked the `steps` trained, which each part counts once per step, at any world. In a default run
+        (one part per rank) that is `all_reduce(own) / world`; every set is gathered because checkpoints keep each."""
         if not self.live:
             return
         if self.in_model:

@@ -57,7 +57,9 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
     # TCPStore there itself; here it is opened first, so that each rank proves it is one of the job's
     # (membership.py) and starts its heartbeat before the group forms, then handed over.
     with _Joining(ident, device, timeout) as joining:
-        store = rendezvous.joined_store(ident, timeout)  # the TCPStore at the master's address and port
+        # The TCPStore at the master's address and port; under -g its host is the launcher (`launch.spawn`'s
+        # `rendezvous.host_store`) and every rank a client; under torchrun its agent's, under srun/mpirun rank 0's.
+        store = rendezvous.joined_store(ident, timeout)
         # trust, heartbeat: skippable. Returns ident's rank and world and this store, unchanged but for a --recover
         # replacement, which is given its place in the running job
         rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
