@@ -231,7 +231,10 @@ def contract(trial: Trial, landed: list[Landed]) -> Expect:
         if f.start_up and f.target != "disk" and (f.lasts is None or f.lasts > 1):
             stops.append(NEVER_ARRIVED)  # a rank lost (or frozen) before it joined is one that never arrived
     if trial.world.recover and lost and len(lost) == trial.world.size:  # nobody left to go on
-        stops.append(Stop(frozenset({1, 130, -9}), r"was killed by|stopped answering|" + LOST_CONTACT))
+        # each launcher that was sent SIGINT or SIGTERM says it was interrupted
+        told = any(hit.fault.how in ("SIGINT", "SIGTERM") for hit in landed if not hit.missed)
+        stops.append(Stop(frozenset({1, 130, -9}), r"was killed by|stopped answering|" + LOST_CONTACT +
+                          ("|interrupted" if told else "")))
     return Expect(frozenset(lost), tuple(stops), either)
 
 

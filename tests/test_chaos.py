@@ -6,6 +6,7 @@ judge is fed made-up broken jobs and must call each broken."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -142,3 +143,16 @@ def test_a_process_left_behind_is_found(tmp_path: Path) -> None:
         stays.kill()
         stays.wait()
     assert chaos._left_behind(env) == []
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_every_node_interrupted_may_say_so(how: str) -> None:
+    """-n 2 -g 1 --recover, node 0's launcher (the store's host) and then node 1's both sent `how`: nobody is left
+    to go on, and each launcher's one line may say it was interrupted where the signal was an interrupt (seed
+    2803331399, trial 22), not where it was SIGKILL (the control)."""
+    trial = Trial(0, 0, NODES, (Fault("store host", how, at=0.1), Fault("launcher", how, at=0.9)))
+    landed = [chaos.Landed(f, [7], {0} if f.target == "store host" else {1}) for f in trial.faults]
+    expect = chaos.contract(trial, landed)
+    says = "|".join(s.says for s in expect.stops if s.says)
+    assert bool(re.search(says, "mnist-ddp: interrupted.")) == (how == "SIGINT"), says
+    assert re.search(says, "mnist-ddp: error: rank 1 lost contact with the other processes (x); y."), says
