@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from conftest import cli_env, metrics, progress, tiny
 from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
-from mnist_ddp.launchers import launch
+from mnist_ddp.launchers import worker
 from mnist_ddp.outputs import checkpoint
 from procfs import (
     children,
@@ -414,7 +414,7 @@ def _leave_a_frozen_peer(rank: int, port: int, said: str) -> None:
     else:
         dist.all_reduce(torch.ones(4), async_op=True)
         Path(said).write_text(str(distributed.teardown(together=False)))
-    os._exit(0)  # what a failed -g child does (launch._leave): the group may still be closing
+    os._exit(0)  # what a failed -g child does (worker.leave): the group may still be closing
 
 
 def test_a_rank_leaves_the_group_at_once_when_its_peer_froze(tmp_path: Path) -> None:
@@ -535,7 +535,7 @@ def _report_while_joined(local_rank: int, port: int, out: str, seen: str) -> Non
     ident = identity.spawned(0, local_rank, 2, 1, "127.0.0.1", port)
     report = lambda e: Path(seen, str(local_rank)).write_text(f"{dist.is_initialized()} {type(e).__name__}")  # noqa: E731
     with suppress(Exception):
-        launch.run_worker(ident, cfg, claim_out=True, report=report)
+        worker.run_worker(ident, cfg, claim_out=True, report=report)
 
 
 def test_a_rank_reports_its_error_before_it_leaves_the_group(tmp_path: Path) -> None:
@@ -556,12 +556,12 @@ STILL_CLOSING = """
 import atexit, sys
 from mnist_ddp import cli
 from mnist_ddp.core import distributed
-from mnist_ddp.launchers import launch
+from mnist_ddp.launchers import worker
 from mnist_ddp.joining.identity import Identity
 distributed.teardown = lambda together: False  # as when a dead peer holds the group's threads past LEAVE_S
 atexit.register(lambda: print("the interpreter's exit ran", flush=True))
 cfg = cli.configure(["train", "--dataset", "synthetic", "--out", sys.argv[1]])
-launch.run_worker(Identity(), cfg, claim_out=True)
+worker.run_worker(Identity(), cfg, claim_out=True)
 """
 
 
@@ -593,7 +593,7 @@ def _frozen_after_the_last_step(rank: int, port: int, said: str, up: multiproces
     assert d.heartbeat is not None
     d.heartbeat.stop("finished", culprit=False)
     try:
-        launch.leave_group(rank, finished=True, diagnose=d.heartbeat.diagnose)
+        worker.leave_group(rank, finished=True, diagnose=d.heartbeat.diagnose)
         Path(said).write_text("left without a word")
     except distributed.PeerFailure as e:
         Path(said).write_text(str(e))

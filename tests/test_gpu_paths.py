@@ -169,7 +169,7 @@ def kernel_settings():
 
 def test_each_rank_sets_cublas_config_in_its_own_environment(monkeypatch: pytest.MonkeyPatch,
                                                              kernel_settings: None) -> None:
-    """configure_backends runs in the rank (launch.run_worker, before joining and before any kernel): a forked
+    """configure_backends runs in the rank (worker.run_worker, before joining and before any kernel): a forked
     child has the fork server's environment, not the launcher's, so the launcher could not set it for them."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert compute.configure_backends(torch.device("cpu"), True) == ""
@@ -349,7 +349,7 @@ CPU_TENSOR_EDITS = [
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
     ("bnstats", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
     ("bnstats", "self.share, self._flat())", "self.share, self._flat().cpu())"),
-    ("launch", "torch.tensor(ident.attempt, device=d.device)", "torch.tensor(ident.attempt)"),
+    ("worker", "torch.tensor(ident.attempt, device=d.device)", "torch.tensor(ident.attempt)"),
 ]
 
 

@@ -289,7 +289,7 @@ def _paced(after: int | None, steps: int, timeout: float) -> tuple[Pacer, list[S
 
 def test_the_pacer_turns_a_step_that_never_finishes_into_a_peer_failure() -> None:
     """Before each step the Pacer waits for the one 3 back, polling its event until the device reaches it; one that
-    never finishes raises within the timeout, naming the step, as a peer failure (which launch.py reports with the
+    never finishes raises within the timeout, naming the step, as a peer failure (which worker.py reports with the
     heartbeat's diagnosis). The control: events the device reaches on their third poll let six steps through."""
     _, made = _paced(3, 6, timeout=60)  # a loaded machine may sleep far past a millisecond's poll
     assert [e.queries for e in made] == [3, 3, 3, 0, 0, 0]  # each wait polled the oldest only, until it was done

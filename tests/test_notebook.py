@@ -228,7 +228,7 @@ async def _a_worker_killed(kernel: Kernel, work: Path) -> None:
     await asyncio.wait_for(task, HANG)
     [error] = _errors(cell)
     assert error.ename == "PeerFailure" and f"(pid {victim}) was killed by SIGKILL" in error.evalue, error
-    assert "--resume" in error.evalue and not any("launch.py" in line for line in error.traceback), error.traceback
+    assert "--resume" in error.evalue and not any("launchers" in line for line in error.traceback), error.traceback
     assert "Traceback" not in _text(cell, "stderr") + _text(cell), cell.outputs
 
 

@@ -30,7 +30,7 @@ from mnist_ddp.common.config import TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.core.distributed import Dist, PeerFailure
 from mnist_ddp.joining.identity import Identity
-from mnist_ddp.launchers import launch
+from mnist_ddp.launchers import launch, worker
 from mnist_ddp.outputs import checkpoint
 from mnist_ddp.recovery import lossplan, recovery
 from netns import netns_pair
@@ -466,7 +466,7 @@ def _lost_after_the_last_step(d: Dist, said: str) -> None:
     if d.rank == 1:
         os._exit(0)
     try:
-        launch.leave_group(d.rank, finished=True)
+        worker.leave_group(d.rank, finished=True)
         Path(said).write_text("left without a word")
     except PeerFailure as e:
         Path(said).write_text(str(e))

@@ -3,7 +3,7 @@
 Interpreter start-up would dominate 20 runs on a small box, so two worker processes are started once
 (torch.multiprocessing, as spawn mode does) and each runs the 20 jobs through the real launch code:
 the parent opens the rendezvous store with `distributed.host_store`, exactly as `mnist-ddp train -g 2`
-does, and every worker calls `launch.run_worker` (join, train, tear down) once per run. Long-lived
+does, and every worker calls `worker.run_worker` (join, train, tear down) once per run. Long-lived
 processes are the harder case for leaks: a socket, file or process group left behind by one run is
 still there, and counted, at the next.
 """
@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
 from mnist_ddp.joining import identity, rendezvous
-from mnist_ddp.launchers import launch
+from mnist_ddp.launchers import worker
 from mnist_ddp.outputs import outdir
 from procfs import children, listening_inodes, needs_proc, socket_inodes
 
@@ -30,7 +30,7 @@ def _worker(local_rank: int, jobs: "mp.Queue", results: "mp.Queue") -> None:
     while (job := jobs.get()) is not None:
         ident, cfg = job
         try:
-            launch.run_worker(ident, cfg)
+            worker.run_worker(ident, cfg)
             error = None
         except BaseException as e:  # report, keep serving: the parent decides
             error = f"{type(e).__name__}: {e}"

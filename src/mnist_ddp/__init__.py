@@ -3,7 +3,7 @@
 From Python or a notebook: `mnist_ddp.train(...)`, `evaluate(...)`, `predict(...)`, the command line's twins
 (api.py); their results are plain data (results.py).
 
-Reading order for DDP: launch.py (start the processes; per rank: join, train, leave) →
+Reading order for DDP: launch.py (start the processes) → worker.py (per rank: join, train, leave) →
 identity.py (who am I) → distributed.py (the process group) → batches.py (sharding) →
 trainer.py (DDP wrap, the loop, rank-0 outputs) → evaluation.py (all-reduced accuracy).
 """

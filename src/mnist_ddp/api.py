@@ -86,7 +86,7 @@ def _user_facing(fn: F) -> F:
 @contextmanager
 def _handlers_kept() -> Iterator[None]:
     """The caller's SIGINT and SIGTERM handlers, put back afterwards. The launcher ignores the repeats of a
-    signal for good once one came (launch._signals_interrupt), right for a command, which exits next; a kernel
+    signal for good once one came (worker.signals_interrupt), right for a command, which exits next; a kernel
     goes on, and its next interrupt must work."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

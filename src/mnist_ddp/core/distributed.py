@@ -71,7 +71,7 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
 
 
 def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
-    """Leave the process group: `destroy_process_group`, called once from `launch.run_worker`'s `finally` (and by
+    """Leave the process group: `destroy_process_group`, called once from `worker.run_worker`'s `finally` (and by
     recovery.py before it re-forms), so also after an error. `together` (after success): every rank waits for the
     others first. After an error a dead peer may hold the group's threads: closing gets `leave_s`, and False means it
     is still closing, so the caller ends the process with os._exit (docs/design/rendezvous.md, "Leaving")."""

@@ -214,7 +214,7 @@ class GraphStep:
 class Pacer:
     """Keeps the host at most `PACE` steps ahead of the GPU, and turns a step that does not finish within the
     timeout (a collective waiting for a lost peer: NCCL's watchdog does not see captured collectives) into an
-    error (launch.py adds the heartbeat's diagnosis of who stopped answering)."""
+    error (worker.py adds the heartbeat's diagnosis of who stopped answering)."""
 
     def __init__(self, timeout_s: float, depth: int = PACE, poll_s: float = 1e-4,
                  event: Callable[[], Any] = torch.cuda.Event) -> None:
