@@ -148,8 +148,9 @@ class Trainer:
         return result or evaluate(self.t.model, self.test_batches, self.d, self.amp)  # None: a finished run resumed
 
     def _wrap(self) -> nn.Module:
-        """The model under DDP in this world (ddp.wrap). A default run: DDP's own all-reduce, and `static_graph` (each
-        rank trains one micro-batch a step, so none accumulates under no_sync)."""
+        """The model under DDP in this world (ddp.wrap). A default run passes accumulating=False (so `static_graph`:
+        each rank trains one micro-batch a step, none under no_sync), hook=None (DDP's own all-reduce), no stream and
+        keep_grads=False (no CUDA graph)."""
         hook = self.reduction if self.cfg.bitwise or self.cfg.profile else None  # else: DDP's own all-reduce
         g = self.graph  # the graph step's DDP: on its capture stream, the gradients in its flat buffer
         return ddp.wrap(self.t.model, self.d, sync_bn=self.cfg.sync_bn, compile=self.cfg.compile,
