@@ -46,8 +46,9 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 train: $(VENV)/.plot
 	$(BIN)/mnist-ddp train --dataset auto $(ARGS)
 
-# ruff; mypy over src/ (pyproject.toml's [tool.mypy]): the annotations are checked, not only written; and
-# import-linter: each folder of src/mnist_ddp imports only the layers below it ([tool.importlinter]).
+# ruff; mypy over src/ and benchmarks/ (pyproject.toml's [tool.mypy]): the annotations are checked, not only
+# written, and so is each benchmark's use of src's API; and import-linter: each folder of src/mnist_ddp imports only
+# the layers below it ([tool.importlinter]).
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy

@@ -13,6 +13,7 @@ import argparse
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -36,11 +37,12 @@ def step_speeds(settings: list[Setting], device: torch.device, batch_size: int, 
     n = steps * batch_size
     images, labels = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,))
     recipe = replace(RECIPES["default"], scheduler="none")  # the default optimizer; a schedule costs nothing
-    runs = []
+    # name, amp, the model (compiled or not), its optimizer, its batches, its images/s per round
+    runs: list[tuple[str, str, Callable[..., torch.Tensor], torch.optim.Optimizer, ShardedBatches, list[float]]] = []
     for amp, channels_last, compiled, model_class in settings:
         model = model_class().to(device)
         if channels_last:
-            model = model.to(memory_format=torch.channels_last)
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in torch's stubs
         opt, _ = schedule.build_optimizer(recipe, model)
         batches = ShardedBatches(images, labels, batch_size, rank=0, world=1, device=device, shuffle=True,
                                  channels_last=channels_last)

@@ -35,7 +35,7 @@ SETTINGS = {"off": 0.0, "default (1 s)": 1.0, "10x as often (0.1 s)": 0.1}  # se
 
 def _rank(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
     device = torch.device("cpu")
-    compute.share_cores(rank, world)  # as launch.run_worker does
+    compute.share_cores(rank, world)  # as worker.run_worker does
     ident = identity.spawned(0, rank, world, 1, "127.0.0.1", port)
     d = distributed.join(ident, device, None, 120)  # no heartbeat: each block starts its own
     beats = dist.PrefixStore("mnist_ddp/heartbeat", rendezvous.connect(ident, timedelta(seconds=2), joining=False))
@@ -45,7 +45,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, results: "
                                     test_samples=100))
     batches = ShardedBatches(data.train.images, data.train.labels, cfg.recipe.batch_size, rank=rank, world=world,
                              device=device, shuffle=True, channels_last=channels_last)
-    model = ConvNet().to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = ConvNet().to(memory_format=layout)  # type: ignore[call-overload]  # not in torch's stubs
     opt, _ = schedule.build_optimizer(cfg.recipe, model)
     net = ddp.wrap(model, d)
     speeds: dict[str, list[float]] = {name: [] for name in SETTINGS}

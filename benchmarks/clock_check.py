@@ -49,8 +49,9 @@ def main() -> None:
     a = p.parse_args()
     store = rendezvous.host_store("127.0.0.1", 0, 1, timedelta(seconds=60))
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-    cuda = {"device_id": device} if a.device == "cuda" else {}
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1, **cuda)
+    cuda = a.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            device_id=device if cuda else None)
     try:
         net = torch.nn.parallel.DistributedDataParallel(ConvNet().to(device),
                                                         device_ids=[0] if a.device == "cuda" else None)

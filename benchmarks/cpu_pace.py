@@ -58,6 +58,7 @@ def training_flop(model: nn.Module) -> float:
     macs: list[int] = []
 
     def count(layer: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> None:
+        assert isinstance(layer, nn.Conv2d | nn.Linear)  # the only layers it is registered on
         per_output = layer.weight[0].numel()  # a conv's in_channels × kh × kw, a linear layer's in_features
         macs.append(out[0].numel() * per_output)
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]

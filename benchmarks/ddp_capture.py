@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from mnist_ddp.common.config import DataConfig, recipe
+from mnist_ddp.common.config import DataConfig, Recipe, recipe
 from mnist_ddp.core import compute, ddp, distributed, schedule
 from mnist_ddp.core.batches import DeviceData, ShardedBatches
 from mnist_ddp.core.distributed import Dist
@@ -47,7 +47,7 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def trained(way: str, d: Dist, data: datasets.Dataset, r: object) -> tuple[dict[str, torch.Tensor], float, str]:
+def trained(way: str, d: Dist, data: datasets.Dataset, r: Recipe) -> tuple[dict[str, torch.Tensor], float, str]:
     """The model after EPOCHS epochs trained `way`; the second epoch's images/s; the `step:` line (graph ways)."""
     torch.manual_seed(0)
     model = ConvNet().to(d.device)
@@ -94,7 +94,7 @@ def main() -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            **({"device_id": device} if backend == "nccl" else {}))
+                            device_id=device if backend == "nccl" else None)
     try:
         d = Dist(0, 0, 1, 1, device)
         data = datasets.load(DataConfig("synthetic", Path(a.data_dir) if a.data_dir else None,

@@ -94,7 +94,9 @@ def main() -> None:
                 times[threads] = _child(threads, setting, out, timed=threads <= 2)
                 states[threads] = torch.load(out, weights_only=True)
             diffs = ", ".join(_difference(states[1], states[t]) for t in (2, 3, 4))
-            print(f"  {name:46s} {diffs:34s} 1 thread {1e3 * times[1]:6.1f} ms, 2 threads {1e3 * times[2]:6.1f} ms")
+            one, two = times[1], times[2]
+            assert one is not None and two is not None  # timed: 1 and 2 threads (a child not timed says null)
+            print(f"  {name:46s} {diffs:34s} 1 thread {1e3 * one:6.1f} ms, 2 threads {1e3 * two:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Required, TypedDict, cast
 
 STATES = ("fresh", "touched", "group")
 SIDES = ("fork", "ours")
 HANG_S = 120  # a side that has not finished by then is reported as hung, and killed
+# Seconds from a launch to its first step, to its end; again: from a second launch to its first step.
+Column = Literal["first step", "end", "again"]
+# One run: whether it finished, else why not; where it did, each Column's seconds.
+Timed = TypedDict("Timed", {"ok": Required[bool], "why": Required[str], "first step": float, "end": float,
+                            "again": float}, total=False)
 
 
 def _touch(state: str) -> None:
@@ -79,9 +84,16 @@ def _fork_launch(cfg: Any) -> None:
     with outdir.claim(Path(cfg.out), False), console.relay() as output:
         store = rendezvous.host_store("127.0.0.1", 0, 2, timedelta(seconds=cfg.timeout))
         errors = mp.get_context("fork").SimpleQueue()
+        environ = dict(os.environ)
+
+        def spawned(local_rank: int) -> None:
+            """launch._spawned, called here so that mypy checks the call against its signature (an args=(…) tuple is
+            not checked). One node, no --recover: no standby store, as launch.spawn passes; `reports` is only .put."""
+            launch._spawned(local_rank, cfg, "127.0.0.1", store.port, cast(launch.ErrorPipe, errors), output, environ,
+                            None)
+
         try:
-            mp.start_processes(launch._spawned, args=(cfg, "127.0.0.1", store.port, errors, output, dict(os.environ)),
-                               nprocs=2, start_method="fork")
+            mp.start_processes(spawned, nprocs=2, start_method="fork")
         except mp.ProcessExitedException:
             while not errors.empty():  # what our own launcher would have raised
                 print(f"worker error: {errors.get()}", flush=True)
@@ -104,7 +116,7 @@ def _side(side: str, state: str, samples: int, out: str) -> None:
         print(f"done: {time.monotonic()}", flush=True)
 
 
-def _timed(side: str, state: str, samples: int, work: Path) -> dict[str, object]:
+def _timed(side: str, state: str, samples: int, work: Path) -> Timed:
     """Run one side in a fresh subprocess; its seconds from the launch to the first step and to the end."""
     out = tempfile.mkdtemp(dir=work)
     cmd = [sys.executable, __file__, "--side", side, "--state", state, "--samples", str(samples), "--out",
@@ -112,7 +124,9 @@ def _timed(side: str, state: str, samples: int, work: Path) -> dict[str, object]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work,
                          env=os.environ | {"PYTHONUNBUFFERED": "1"}, start_new_session=True)
     lines: list[tuple[float, str]] = []  # (when it arrived, the line)
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in p.stdout))
+    stdout = p.stdout
+    assert stdout is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in stdout))
     reader.start()
     try:
         p.wait(HANG_S)
@@ -131,8 +145,10 @@ def _timed(side: str, state: str, samples: int, work: Path) -> dict[str, object]
             seen[word].append(arrived)
     ok = not hung and p.returncode == 0 and len(seen["done:"]) == 2
     launch, run, done = seen["launch:"], seen["run:"], seen["done:"]
-    times = {"first step": run[0] - launch[0], "end": done[0] - launch[0], "again": run[1] - launch[1]} if ok else {}
-    return {"ok": ok, "why": "hung" if hung else "" if ok else _cause([line for _, line in lines]), **times}
+    timed: Timed = {"ok": ok, "why": "hung" if hung else "" if ok else _cause([line for _, line in lines])}
+    if ok:
+        timed.update({"first step": run[0] - launch[0], "end": done[0] - launch[0], "again": run[1] - launch[1]})
+    return timed
 
 
 def _cause(log: list[str]) -> str:
@@ -154,7 +170,7 @@ def main() -> None:
     if args.side:
         return _side(args.side, args.state, args.samples, args.out)
     states = (*STATES, "cuda") if args.cuda else STATES
-    results: dict[tuple[str, str], list[dict[str, object]]] = {}
+    results: dict[tuple[str, str], list[Timed]] = {}
     with tempfile.TemporaryDirectory(prefix="notebook-launch-") as tmp:
         _timed("ours", "fresh", 200, Path(tmp))  # fills the synthetic data cache, outside the measured runs
         for r in range(args.rounds):
@@ -166,7 +182,7 @@ def main() -> None:
                         f"ok, first step after {got['first step']:.2f} s, done after {got['end']:.2f} s; launched "
                         f"again: first step after {got['again']:.2f} s" if got["ok"] else f"FAILED: {got['why']}"),
                           flush=True)
-    columns = ("first step", "end", "again")
+    columns: tuple[Column, ...] = ("first step", "end", "again")
     print(f"\n{'state':8s} {'side':5s} {'finished':>9s} {'first step':>11s} {'end':>8s} {'again':>8s}  (medians of "
           f"finished runs; again: the first step of a second launch from the same process)")
     for (state, side), rows in results.items():
@@ -177,7 +193,8 @@ def main() -> None:
             print(f"{'':15s}failed: {why}")
     for state in states:
         fork, ours = ([r for r in results[(state, side)] if r["ok"]] for side in SIDES)
-        for column in ("first step", "again") if fork and ours else ():
+        compared: tuple[Column, ...] = ("first step", "again") if fork and ours else ()
+        for column in compared:
             ratio = statistics.median(r[column] for r in fork) / statistics.median(r[column] for r in ours)
             print(f"{state}: launch to first step{' (again)' if column == 'again' else ''}, fork / ours = {ratio:.2f}x")
 

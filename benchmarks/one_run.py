@@ -81,7 +81,7 @@ def weights(out: Path) -> torch.Tensor:
 def distances(tmp: Path, steps: int, mode: list[str]) -> None:
     epochs = steps // 15  # 1,500 images in 4 slots of 25: 15 steps per epoch
     args = [*SGD, "--train-samples", "1500", "--epochs", str(epochs), *mode]
-    runs = {}
+    runs: dict[str, Path] = {}  # each run's name: its --out
     for name, extra in WORLDS.items():
         runs[name] = tmp / f"{steps}{''.join(mode)}-{len(runs)}"
         train(runs[name], [*args, *extra])

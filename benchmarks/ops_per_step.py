@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,8 @@ def ours(device: torch.device, samples: int, out: Path) -> Trainer:
 
 def our_epoch(t: Trainer) -> None:
     t.train_batches.set_epoch(0)
-    model = t.t.model if hasattr(t, "t") else t.model  # (also runs on the code before the re-cut)
+    # (also runs on the code before the re-cut, whose Trainer held the model itself: not this Trainer's type)
+    model = t.t.model if hasattr(t, "t") else cast(Any, t).model
     t._train_epoch(model, 0, time.perf_counter())
 
 
@@ -94,7 +96,8 @@ def main() -> None:
         data = trainers[a.steps].data.train
         images, labels = data.images.to(device), data.labels.to(device)
         layout = trainers[10].channels_last
-        model = ConvNet().to(device, memory_format=torch.channels_last if layout else torch.contiguous_format)
+        memory_format = torch.channels_last if layout else torch.contiguous_format
+        model = ConvNet().to(device, memory_format=memory_format)  # type: ignore[call-overload]  # not in torch's stubs
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         ops = {"mnist-ddp": per_step(lambda n: our_epoch(trainers[n]), 10, 20),
                "hand loop": per_step(lambda n: hand_epoch(model, opt, images[: n * BATCH], labels[: n * BATCH], layout),

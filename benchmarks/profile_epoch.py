@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mnist_ddp.common.config import DataConfig, TrainConfig, recipe
+from mnist_ddp.common.config import DataConfig, Dataset, TrainConfig, recipe
 from mnist_ddp.core import compute, ddp, distributed, reduction, schedule
 from mnist_ddp.core.batches import ShardedBatches
 from mnist_ddp.core.compute import autocast
@@ -39,7 +39,7 @@ class _Seconds(list):
         self.append(back - handed_over)
 
 
-def _load(name: str) -> datasets.Dataset:
+def _load(name: Dataset) -> datasets.Dataset:
     try:
         return datasets.load(DataConfig(name, download=False))
     except datasets.DataNotFound:
@@ -47,8 +47,8 @@ def _load(name: str) -> datasets.Dataset:
 
 
 def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results: "mp.SimpleQueue") -> None:
-    device = distributed.pick_device(args.device, rank, world)  # cuda:<rank>, as launch.run_worker picks it
-    if device.type == "cpu":  # as launch.run_worker does
+    device = distributed.pick_device(args.device, rank, world)  # cuda:<rank>, as worker.run_worker picks it
+    if device.type == "cpu":  # as worker.run_worker does
         compute.share_cores(rank, world)
     compute.configure_backends(device, deterministic=False)  # cuDNN autotuning and TF32 on CUDA, as in training
     if args.threads:
@@ -61,7 +61,7 @@ def _profile(rank: int, world: int, args: argparse.Namespace, port: int, results
                              device=device, shuffle=True, channels_last=channels_last)
     model = ConvNet().to(device)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in torch's stubs
     opt, set_lr = schedule.build_optimizer(cfg.recipe, model)
     reduce_seconds, mean = _Seconds(), reduction.MeanReduction(world)
     clock = mean.observer = timeline.BucketClock(reduce_seconds.bucket, device)  # as --profile times it

@@ -161,7 +161,7 @@ def _time_steps(batch: int, steps: int, warmup: int, world: int) -> dict[str, fl
     amp, channels_last = compute.amp_for(recipe.amp, device), compute.channels_last_for(None, device)
     model = ConvNet()
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in torch's stubs
     opt, _ = schedule.build_optimizer(recipe, model)
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))
@@ -353,9 +353,11 @@ def run(args: argparse.Namespace) -> dict:
         compute_ = Compute({b: {ph: one[b][ph] for ph in PHASES} for b in BATCHES},
                            "measured here: this CPU, one process, one thread")
     fits, holdout = {}, []
+    links: dict[str, tuple[float, float, str]] = {}  # each link's alpha, beta and where they come from
     for link, worlds in measured.items():
         points = [(n, 2, t) for n, t in worlds[2]["allreduce"].items() if n != GRADIENT_BYTES]
         alpha, beta = fit(points)
+        links[link] = (alpha, beta, "fitted")
         rms = math.sqrt(_sq_error(points, alpha, beta) / len(points))
         fits[link] = {"alpha_seconds": alpha, "beta_seconds_per_byte": beta,
                       "bandwidth_bytes_per_second": 1 / beta if beta else None,
@@ -369,7 +371,6 @@ def run(args: argparse.Namespace) -> dict:
                     holdout.append({"link": link, "world": world, "bytes": n, "kind": kind, "measured_seconds": t,
                                     "predicted_seconds": pred, "relative_error": (pred - t) / t,
                                     "more_ranks_than_cores": world > (os.cpu_count() or 1)})
-    links = {link: (f["alpha_seconds"], f["beta_seconds_per_byte"], "fitted") for link, f in fits.items()}
     links |= {link: (alpha, 1 / bw, "assumed") for link, (alpha, bw) in STATED_LINKS.items()}
     measured_steps = [{"link": link, "world": world, "batch": batch,
                        "compute_seconds": sum(s[ph] for ph in PHASES), "allreduce_seconds": s["allreduce"],

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,16 @@ from mnist_ddp.core import distributed
 from mnist_ddp.joining import identity, rendezvous
 from mnist_ddp.outputs import checkpoint
 
+Found = tuple[Path, dict[str, Any]] | None  # what rank 0 shares: `checkpoint.pack`'s input, `unpack`'s output
 
-def _old(d: distributed.Dist, value: object) -> object:
+
+def _old(d: distributed.Dist, value: Found) -> Found:
     """What `Dist.from_main` did before: one pickled object, (result, error), from rank 0."""
-    box = [(value, None) if d.is_main else None]
+    box: list[tuple[Found, None] | None] = [(value, None) if d.is_main else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0][0]
+    sent = box[0]
+    assert sent is not None  # every rank's box now holds rank 0's
+    return sent[0]
 
 
 def _rank(rank: int, world: int, port: int, repeats: int, results: "mp.SimpleQueue") -> None:
@@ -42,7 +47,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, results: "mp.SimpleQue
     d = distributed.join(identity.spawned(0, rank, world, 1, "127.0.0.1", port), torch.device("cpu"), "gloo", 60)
     torch.manual_seed(0)  # the same checkpoint on every rank: what arrives can be checked against it
     found = (Path("runs/x/checkpoint.pt"), payload())
-    ways: dict[str, Callable[[], object]] = {
+    ways: dict[str, Callable[[], Found]] = {
         "checkpoint, pickled (broadcast_object_list)": lambda: _old(d, found),
         "checkpoint, bytes (pack, broadcast, unpack)": lambda: d.from_main(lambda: found, checkpoint.pack,
                                                                            checkpoint.unpack),

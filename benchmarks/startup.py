@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from scaling import _netns_unavailable, _stop, two_machines
@@ -126,6 +127,8 @@ def main() -> None:
     if TWO_NAMESPACES in configs and why:
         print(f"skipping {TWO_NAMESPACES}: {why}")
         configs.remove(TWO_NAMESPACES)
+    # the places (command prefix, link, address) and scaling's shape(rate); none without the namespaces
+    namespaces: AbstractContextManager[tuple[list[tuple[list[str], str, str]], Callable[[float | None], None] | None]]
     namespaces = two_machines(NET, f"prof{os.getpid()}") if TWO_NAMESPACES in configs else nullcontext(([], None))
     with tempfile.TemporaryDirectory(prefix="startup-") as tmp, namespaces as (places, _):
         work, data = Path(tmp), Path(tmp) / "data"

@@ -56,7 +56,10 @@ def one_run(src: Path, out: Path, extra: list[str]) -> dict[str, Any]:
 
 def generator(src: Path) -> Any:
     """The synthetic module of the tree in `src`, loaded under its own name."""
-    spec = importlib.util.spec_from_file_location(f"synthetic_{abs(hash(src))}", src / "mnist_ddp" / "synthetic.py")
+    path = src / "mnist_ddp" / "data" / "synthetic.py"
+    if not path.is_file():  # a tree from before the datasets moved into mnist_ddp/data/
+        path = src / "mnist_ddp" / "synthetic.py"
+    spec = importlib.util.spec_from_file_location(f"synthetic_{abs(hash(src))}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
