@@ -28,8 +28,6 @@ SECRET, RUN = b"the job's secret", {"seed": "3", "world": "2"}
 HOSTS = """
 import json, socket, sys
 from datetime import timedelta
-
-import torch.distributed as dist
 import torch.distributed as dist
 from mnist_ddp.recovery import successor
 from mnist_ddp.joining.membership import Credentials
