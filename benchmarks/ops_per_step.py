@@ -10,6 +10,7 @@ GPU every operator is a kernel launch, which is what bounds a step of this small
 """
 
 import argparse
+import inspect
 import statistics
 import tempfile
 import time
@@ -55,9 +56,13 @@ def ours(device: torch.device, samples: int, out: Path) -> Trainer:
 
 def our_epoch(t: Trainer) -> None:
     t.train_batches.set_epoch(0)
-    # (also runs on the code before the re-cut, whose Trainer held the model itself: not this Trainer's type)
+    # (also runs on older trees: before the re-cut the Trainer held the model itself; before the textbook Trainer,
+    # _train_epoch took the model as its first argument)
     model = t.t.model if hasattr(t, "t") else cast(Any, t).model
-    t._train_epoch(model, 0, time.perf_counter())
+    if "net" in inspect.signature(t._train_epoch).parameters:
+        cast(Any, t)._train_epoch(model, 0, time.perf_counter())
+    else:
+        t._train_epoch(0, time.perf_counter())
 
 
 def hand_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import collectives
 from conftest import REPO, cli_env, progress, tiny
-from mnist_ddp import cli, trainer
+from mnist_ddp import cli, extended, trainer
 from mnist_ddp.common.config import DataConfig, TrainConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.core import compute, ddp, distributed, divergence
@@ -263,12 +263,12 @@ def test_sync_bn_needs_equal_shares(share: Share, sync_bn: bool, refused: bool) 
 
 
 def test_sync_bn_is_checked_where_a_resume_deals_the_micro_batches(tmp_path: Path) -> None:
-    """The seam a resume at another world goes through (Trainer._deal), before any training step, on any device
+    """The seam a resume at another world goes through (ExtendedTrainer._deal), before any training step, on any device
     (the CLI refuses --sync-bn on the CPU earlier, so the seam is tested directly)."""
     data = datasets.load(DataConfig("synthetic", data_dir=tmp_path, train_samples=400, test_samples=100))
     d = Dist(rank=0, local_rank=0, world_size=3, local_world_size=3, device=torch.device("cpu"))  # no group needed
-    run = trainer.Trainer(TrainConfig(sync_bn=True, out=str(tmp_path / "o")), d, data,
-                          Reporter(tmp_path / "o", False, False, False, False))
+    run = extended.ExtendedTrainer(TrainConfig(sync_bn=True, out=str(tmp_path / "o")), d, data,
+                                   Reporter(tmp_path / "o", False, False, False, False))
     run._deal(Share(slots=6, world=3))  # even
     with pytest.raises(UserError, match="--sync-bn needs every process"):
         run._deal(Share(slots=4, world=3))

@@ -5,7 +5,7 @@ From Python or a notebook: `mnist_ddp.train(...)`, `evaluate(...)`, `predict(...
 
 Reading order for DDP: launch.py (start the processes) → worker.py (per rank: join, train, leave) →
 identity.py (who am I) → distributed.py (the process group) → batches.py (sharding) →
-trainer.py (DDP wrap, the loop, rank-0 outputs) → evaluation.py (all-reduced accuracy).
+trainer.py (the textbook loop: DDP wrap, steps, rank-0 outputs) → evaluation.py (all-reduced accuracy).
 """
 
 import os

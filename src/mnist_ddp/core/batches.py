@@ -5,11 +5,33 @@ the same at any world size (docs/design/slots.md)."""
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DistributedSampler
 
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, applied on the device
+
+
+class Batches(Protocol):
+    """What the loop takes of a rank's training batches, epoch by epoch: `ShardedBatches` (the textbook's),
+    `StepBatches` (the run's slots), `graphstep.GraphBatches` (the CUDA graph's step indices)."""
+
+    @property
+    def first(self) -> int:
+        """The epoch's first step to train (a resume or a recovery inside it starts later)."""
+
+    @property
+    def global_batch(self) -> int: ...
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
 class ShardedBatches:

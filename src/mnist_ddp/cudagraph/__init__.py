@@ -2,5 +2,5 @@
 optimizer's update on flat buffers that a graph can hold (`flatopt`). On the CPU the same code runs eagerly, which is
 how the tests prove what a replay does.
 
-An extension a reader of DDP can skip (docs/design/graph-step.md): the loop picks it in `Trainer._step` where a run
+An extension a reader of DDP can skip (docs/design/graph-step.md): `extended.ExtendedTrainer` picks it where a run
 allows it. It imports `core` and `common`."""

@@ -7,7 +7,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..common.config import Recipe, TrainConfig
 from ..core import compute, schedule
-from ..core.batches import DeviceData, ShardedBatches, StepBatches
+from ..core.batches import Batches, DeviceData, ShardedBatches
 from ..core.compute import autocast
 from ..core.distributed import Dist
 from ..core.state import Training
@@ -49,7 +49,7 @@ def eager_because(cfg: TrainConfig, d: Dist, amp: str, textbook: bool) -> str:
     return next((why for excluded, why in reasons if excluded), "")
 
 
-def choose(cfg: TrainConfig, d: Dist, t: Training, batches: ShardedBatches | StepBatches, textbook: bool,
+def choose(cfg: TrainConfig, d: Dist, t: Training, batches: Batches, textbook: bool,
            say: Callable[[str], None]) -> "GraphStep | None":
     """The run's graph step where it applies (to `prepare` once the model is wrapped), else None with one line
     through `say` on why (none where a CPU run under --graph-step auto is eager, as it always was)."""
@@ -58,6 +58,7 @@ def choose(cfg: TrainConfig, d: Dist, t: Training, batches: ShardedBatches | Ste
         if cfg.graph_step == "on" or d.device.type == "cuda":
             say(f"step: eager DDP ({why})")
         return None
+    assert isinstance(batches, ShardedBatches)  # the textbook's
     return GraphStep(t.model, t.opt, batches.data, cfg.recipe, d, amp=amp,
                      capture=d.device.type == "cuda", timeout_s=cfg.timeout)
 
@@ -237,3 +238,33 @@ class Pacer:
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"step {step + 1} of its epoch did not finish within --timeout {self.timeout_s:g} s")
             time.sleep(self.poll_s)
+
+
+class GraphBatches:
+    """A rank's `ShardedBatches` as the graph step takes them: each epoch's order into the step's buffers once
+    (`GraphStep.begin_epoch`), then the epoch's step indices."""
+
+    def __init__(self, batches: ShardedBatches, graph: GraphStep) -> None:
+        self.batches, self.graph, self.epoch = batches, graph, 0
+
+    @property
+    def first(self) -> int:
+        return self.batches.first
+
+    @property
+    def global_batch(self) -> int:
+        return self.batches.global_batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.batches.steps_per_epoch
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.batches.set_epoch(epoch, start)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.graph.begin_epoch(self.epoch, self.batches.indices(), self.batches.first))

@@ -1,6 +1,7 @@
 """One rank, start to finish (`run_worker`): where every launcher's process ends up, whoever started it (`-g`'s
 children, torchrun, srun, mpirun, or the command itself in a world of one). The process is set up, joins the process
-group (essential 1), runs the loop (`trainer.run`), and always leaves the group (essential 6), also after an error.
+group (essential 1), trains (`train`: the data, the loop, rank 0's report), and always leaves the group (essential 6),
+also after an error.
 How the processes are started and watched is launch.py's."""
 
 import os
@@ -15,16 +16,18 @@ from types import FrameType
 
 import torch
 
-from .. import trainer
+from .. import extended
 from ..common import errors, timing
 from ..common.config import TrainConfig, run_settings
 from ..common.errors import UserError
 from ..core import compute, distributed
 from ..core.distributed import Dist, PeerFailure
+from ..data import datasets
 from ..joining import heartbeat, rendezvous
 from ..joining.identity import Identity
 from ..joining.membership import Credentials
-from ..outputs import checkpoint, outdir
+from ..outputs import checkpoint, outdir, summary
+from ..outputs.report import Reporter
 from ..recovery import recovery
 from . import forkserver
 
@@ -55,7 +58,7 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
                 timing.enter("data")
                 forkserver.import_in_background()  # the optimizer's torch._dynamo, while the data loads
                 rec = recovery.for_run(ident, cfg, d)  # --recover's, else None
-                trainer.run(cfg, d, rec)
+                train(cfg, d, rec)
             finished = True
             return 0
         except UserError as e:
@@ -64,6 +67,25 @@ def run_worker(ident: Identity, cfg: TrainConfig, claim_out: bool = False,
             raise
         finally:  # essential 6: _stop → leave_group → distributed.teardown (after success a barrier first)
             _stop(ident, d, rec, finished, report)
+
+
+def train(cfg: TrainConfig, d: Dist, rec: recovery.Recovery | None = None) -> float:
+    """Train for the recipe's epochs; returns the final test accuracy (the same on every rank)."""
+    # Essential 5: rank 0 alone speaks, through `rank0` (silent on the other ranks), and saves (`Trainer._save`).
+    rank0 = Reporter.for_run(cfg, enabled=d.is_main, world_size=d.world_size)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    data = datasets.load(cfg.data)
+    timing.enter("warm-up")  # the model, its optimizer, the first step
+    cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
+    rank0.say(summary.data_line(data))
+    trainer = extended.trainer_for(cfg, d, data, rank0, rec)  # the textbook Trainer, unless the run needs more
+    try:
+        result = trainer.run()
+        trainer.rank0.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
+    finally:  # trainer.rank0: the one speaking at the end (--recover may have handed it on)
+        trainer.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
+    trainer.rank0.wall_time(timing.finish())
+    return result.accuracy
 
 
 def _set_up_process(ident: Identity, cfg: TrainConfig, began: float | None) -> torch.device:

@@ -3,5 +3,6 @@ from the in-memory copy of each step's starting state (`snapshot`), handing each
 (`regroup`); on several nodes, the standby store that takes over when node 0's launcher is lost (`successor`); and
 the losses tests plant at exact points of the loop (`lossplan`).
 
-An extension: the loop makes one call into it when an epoch fails, and a run without `--recover` never enters it.
-It imports `common`, `joining`, `core` and `outputs`."""
+An extension: `extended.ExtendedTrainer` calls it at step and fold boundaries and when an epoch fails; a run
+without `--recover` never enters it, and the textbook loop (`trainer`) never imports it. It imports `common`,
+`joining`, `core` and `outputs`."""

@@ -23,7 +23,7 @@ from ..common import untrusted
 from ..common.config import TrainConfig, run_settings
 from ..common.errors import UserError
 from ..core import distributed
-from ..core.batches import ShardedBatches, Share, StepBatches
+from ..core.batches import Batches, Share
 from ..core.bnstats import PartStats
 from ..core.distributed import Dist, PeerFailure
 from ..core.reduction import Reduction
@@ -72,7 +72,7 @@ class Loop(Protocol):
     d: Dist
     t: Training
     share: Share
-    train_batches: ShardedBatches | StepBatches
+    train_batches: Batches
     stats: PartStats
     stretch: Stretch
     rank0: Reporter
