@@ -5,10 +5,10 @@ collective passes every CPU test and fails on the first GPU. The rule, checked w
 
 1. torch.distributed's collectives are named (called, or taken as a value) only in HOMES: Dist's methods
    (distributed.py), teardown's barrier, the comm hook's reduction (reduction.py) and the gather of every rank's
-   parts (parts.py); everything else goes through Dist (d.all_sum, d.broadcast, d.gather, d.from_main). Code
-   outside any function names none.
-2. Every tensor handed to `all_sum`, and the `like` that parts.py's `gather`/`all_parts` make their rows like,
-   is made on the device. An expression is made on the device when it is
+   parts (parts.py); everything else goes through Dist (d.all_sum, d.all_gather, d.broadcast, d.gather,
+   d.from_main). Code outside any function names none.
+2. Every tensor handed to `all_sum` or `Dist.all_gather`, and the `like` that parts.py's `gather`/`all_parts` make
+   their rows like, is made on the device. An expression is made on the device when it is
    - a tensor factory call (torch.tensor, torch.zeros, …) with `device=` a `….device` or `device`;
    - the model's own tensors: `.parameters()`, `.buffers()`, `running_stats(…)` (the model was moved to
      d.device when it was built: Trainer), and a DDP gradient bucket's `.buffer()` (DDP keeps it there);
@@ -37,6 +37,8 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "gather", "reduce_scatte
 # (module, function) -> why the tensors a collective gets there are on the rank's device
 HOMES = {
     ("distributed", "Dist.all_sum"): "it reduces the tensor its caller made: rule 2 checks every call of all_sum",
+    ("distributed", "Dist.all_gather"): "it gathers the tensor its caller made into tensors made like it: rule 2 "
+                                        "checks every call of Dist.all_gather",
     ("distributed", "Dist.broadcast"): "its tensors are made on self._wire: the rank's GPU under nccl",
     ("distributed", "Dist.gather"): "its tensors are made on self._wire: the rank's GPU under nccl",
     ("distributed", "Dist.barrier"): "barrier() allocates on the GPU the group is bound to (setup's device_id)",
@@ -326,13 +328,14 @@ def _element(seq: ast.expr, i: int, reader: Reader, fn: Fn) -> list[tuple[Fn, as
 
 
 def off_device_sums(src: Source) -> list[str]:
-    """Rule 2: every `….all_sum(x)` call's x, and every parts.gather/all_parts call's `like`, read back to
-    where it was made."""
+    """Rule 2: every `….all_sum(x)` and `….all_gather(x)` call's x (Dist's), and every parts.gather/all_parts call's
+    `like`, read back to where it was made."""
     reader = Reader(src)
     found: dict[str, str] = {}  # where a tensor left the device -> the first collective call it reached
     for f, call in src.calls():
         plain = call.func.id if isinstance(call.func, ast.Name) else None
-        at = 0 if _attr(call) == "all_sum" else ROWS_LIKE.get(plain or "")
+        ours = isinstance(call.func, ast.Attribute) and not _is_name(call.func.value, "dist")  # not torch's own
+        at = 0 if ours and _attr(call) in ("all_sum", "all_gather") else ROWS_LIKE.get(plain or "")
         if at is not None and len(call.args) > at:
             reader.seen.clear()
             if (why := reader.why(call.args[at], f)) and why not in found:

@@ -1,5 +1,6 @@
 """Our DDP and CPU settings for speed, checked with real processes: buffers and cores."""
 
+import copy
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import torch
 from conftest import cli_env, spawn_gloo
 from mnist_ddp.core import ddp
 from mnist_ddp.core.batches import Share
-from mnist_ddp.core.bnstats import PartStats
+from mnist_ddp.core.bnstats import PartStats, RankStats
 from mnist_ddp.core.distributed import Dist
 from mnist_ddp.model import ConvNet
 
@@ -26,8 +27,14 @@ def _rank(d: Dist, out: str) -> None:
     for step in range(3):  # each rank its own data, so its own BatchNorm statistics
         net(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(10 * d.rank + step))).sum().backward()
     before = {k: v.clone() for k, v in model.named_buffers()}
-    PartStats(model, Share(WORLD, WORLD), d.rank).average(steps=3)
-    torch.save({"before": before, "after": dict(model.named_buffers())}, os.path.join(out, f"rank{d.rank}.pt"))
+    twin = copy.deepcopy(model)  # the same statistics, averaged as the general step's PartStats does
+    PartStats(twin, Share(WORLD, WORLD), d.rank).average(steps=3)
+    stats = RankStats(model, d)  # a default run's
+    stats.average(steps=3)
+    after = {k: v.clone() for k, v in model.named_buffers()}
+    stats.use_own()
+    torch.save({"before": before, "after": after, "parts": dict(twin.named_buffers()),
+                "own again": dict(model.named_buffers())}, os.path.join(out, f"rank{d.rank}.pt"))
 
 
 def test_buffers_stay_per_rank_while_training_and_are_averaged_on_request(tmp_path: Path) -> None:
@@ -41,6 +48,11 @@ def test_buffers_stay_per_rank_while_training_and_are_averaged_on_request(tmp_pa
             torch.testing.assert_close(value, (r0["before"][key] + r1["before"][key]) / 2)
         else:
             assert torch.equal(value, r0["before"][key])  # num_batches_tracked: the 3 steps trained
+    for r in (r0, r1):
+        for key, value in r["after"].items():
+            assert torch.equal(value, r["parts"][key]), key  # a set per rank or per part: the same bits
+            if value.is_floating_point():  # and then each rank trains on with its own
+                assert torch.equal(r["own again"][key], r["before"][key]), key
 
 
 SHARE = ("import json, os, sys, torch; from mnist_ddp.core import compute; "

@@ -347,7 +347,8 @@ CPU_TENSOR_EDITS = [
     ("regroup", "totals.new_zeros(totals.shape)", "torch.zeros_like(totals)"),
     ("regroup", "(done, lr, loss, n) for", "(done, lr, torch.tensor(1.0), n) for"),
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
-    ("bnstats", "torch.cat([b.reshape(-1) for b in self.live])", "torch.cat([b.reshape(-1).cpu() for b in self.live])"),
+    ("bnstats", "torch.cat([b.reshape(-1) for b in buffers])", "torch.cat([b.reshape(-1).cpu() for b in buffers])"),
+    ("bnstats", "self.d.all_gather(own)", "self.d.all_gather(own.cpu())"),
     ("bnstats", "self.share, self._flat())", "self.share, self._flat().cpu())"),
     ("worker", "torch.tensor(ident.attempt, device=d.device)", "torch.tensor(ident.attempt)"),
 ]

@@ -12,6 +12,7 @@ from torch import nn
 from .common.config import TrainConfig
 from .core import ddp, reduction
 from .core.batches import ShardedBatches, Share, Step, StepBatches
+from .core.bnstats import PartStats
 from .core.distributed import Dist
 from .core.evaluation import EvalResult, evaluate
 from .core.steps import slot_step
@@ -37,6 +38,7 @@ class ExtendedTrainer(Trainer):
     """A `Trainer` whose world may train the run's M micro-batch slots in any share, may change (`--recover`), and
     whose step may be the slot step or the CUDA graph's."""
 
+    stats: PartStats  # BatchNorm's statistics, a set per part of the step
     def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
                  recovery: Recovery | None = None) -> None:
         self.recovery = recovery
@@ -60,6 +62,7 @@ class ExtendedTrainer(Trainer):
         if not self.textbook:
             self.train_batches = StepBatches(train.images, train.labels, r.batch_size, share, rank=d.rank,
                                              seed=cfg.seed, **self.batch_form)
+        self.stats = PartStats(self.t.model, share, d.rank, saved_stats)
         self.reduction = reduction.for_run(cfg.bitwise, self.t.model, share, d.rank)
         if self.recovery and isinstance(self.reduction, reduction.SlotReduction):  # --recover keeps every part's set
             self.reduction.carry_sets(self.stats.held, sum(b.numel() for b in self.stats.live), saved_stats)

@@ -20,7 +20,7 @@ from .common import timing
 from .common.config import TrainConfig
 from .core import compute, ddp, divergence, schedule, state
 from .core.batches import Batches, ShardedBatches, Share
-from .core.bnstats import PartStats
+from .core.bnstats import RankStats, Statistics
 from .core.distributed import Dist
 from .core.divergence import nonfinite
 from .core.evaluation import EvalResult, evaluate
@@ -67,15 +67,15 @@ class Trainer:
         self._deal(share or Share(slots=d.world_size, world=d.world_size))  # each rank one micro-batch of a step
 
     def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None:
-        """This rank's shard of every epoch (torch's DistributedSampler, `ShardedBatches`) and of the test set, and its
-        BatchNorm statistics (one set, this rank's own; `saved_stats`: every set a checkpoint kept)."""
+        """This rank's shard of every epoch (torch's DistributedSampler, `ShardedBatches`) and of the test set, and how
+        its BatchNorm statistics are averaged with the other ranks' (`saved_stats`: ExtendedTrainer's, a resume's)."""
         cfg, r, d, train, test = self.cfg, self.cfg.recipe, self.d, self.data.train, self.data.test
         self.share = share
         self.train_batches: Batches = ShardedBatches(train.images, train.labels, r.batch_size, rank=d.rank,
                                                      world=d.world_size, shuffle=True, seed=cfg.seed, **self.batch_form)
         self.test_batches = ShardedBatches(test.images, test.labels, cfg.eval_batch_size, rank=d.rank,
                                            world=d.world_size, shuffle=False, each_sample_once=True, **self.batch_form)
-        self.stats = PartStats(self.t.model, share, d.rank, saved_stats)
+        self.stats: Statistics = RankStats(self.t.model, d)
 
     def run(self) -> EvalResult:
         """Train the recipe's epochs; returns the last evaluation (the same on every rank)."""

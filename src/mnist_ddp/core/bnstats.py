@@ -1,14 +1,17 @@
-"""BatchNorm's running statistics across the ranks. With DDP's buffer broadcast off (ddp.py), each rank trains with
-its own; before an evaluation or a save their mean over the ranks goes into the model (one all-gather), and each
-rank then trains on with its own again. The general step keeps a set per part of the step (docs/design/slots.md)."""
+"""BatchNorm's running statistics across the ranks. With DDP's buffer broadcast off (ddp.py), each rank trains with its
+own; before an evaluation or a save their mean over the ranks goes into the model (one all-gather), and each rank then
+trains on with its own again: `RankStats`, a default run's. The general step keeps a set per part of the step
+(`PartStats`, docs/design/slots.md)."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from .batches import Share
+from .distributed import Dist
 from .parts import all_parts, ordered_sum
 
 
@@ -17,13 +20,63 @@ def running_stats(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
+def _flat(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([b.reshape(-1) for b in buffers])
+
+
+def _load(buffers: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+        b.copy_(value.view_as(b))
+
+
+class Statistics(Protocol):
+    """What the loop asks of BatchNorm's statistics across the ranks: `RankStats` or `PartStats`."""
+
+    parts: torch.Tensor | None  # every rank's (or part's) set, as the last average gathered them: for checkpoints
+
+    def average(self, steps: int) -> None: ...
+
+    def use_own(self) -> None: ...
+
+
+class RankStats:
+    """A default run's BatchNorm statistics: each rank trains with its own; `average` loads their mean over the ranks
+    into the model (every rank's set gathered, added in rank order), and `use_own` puts this rank's own back.
+    `parts` (every rank's set, as the last average gathered them) goes into checkpoints, so that a resume at another
+    world continues each (PartStats)."""
+
+    def __init__(self, model: nn.Module, d: Dist) -> None:
+        self.live, self.d = running_stats(model), d
+        # num_batches_tracked counts a module's training forwards: one a step on every rank (`average` sets it)
+        self.counts = [b for b in model.buffers() if not b.is_floating_point()]
+        self.own: torch.Tensor | None = None  # this rank's statistics, while the model holds the mean
+        self.parts: torch.Tensor | None = None
+
+    def average(self, steps: int) -> None:
+        """The model's buffers become the mean of every rank's, and every num_batches_tracked the `steps` trained."""
+        if not self.live:
+            return
+        own = _flat(self.live)
+        every = self.d.all_gather(own)
+        _load(self.live, ordered_sum(every).div_(len(every)))
+        for count in self.counts:
+            count.fill_(steps)
+        self.own, self.parts = own, torch.stack(every)
+
+    def use_own(self) -> None:
+        """Before training on: this rank's own statistics back in the model, where it holds the mean."""
+        if self.own is not None:
+            _load(self.live, self.own)
+            self.own = None
+
+
 class PartStats:
     """BatchNorm's running statistics, one set per part of the step this rank trains, as if each part ran on a
     rank of its own; `average` loads their mean over every part of every rank into the model, in part order.
 
-    The default run (one part per rank) trains with each rank's own statistics in the model, as DDP does without
-    its buffer broadcast; `average` puts the mean there for an evaluation or save, and `use_own` puts the rank's own
-    back. A rank that trains several parts swaps each part's set in around its forward (`use`). `parts` (every
+    Where each rank trains one part, the statistics stay in the model, as `RankStats` keeps them; `average` puts the
+    mean there for an evaluation or save, and `use_own` puts the rank's own back. A rank that trains several parts
+    swaps each part's set in around its forward (`use`). `parts` (every
     set, as the last average gathered them) goes into checkpoints, so a resume at any world continues each part's."""
 
     def __init__(self, model: nn.Module, share: Share, rank: int, saved: torch.Tensor | None = None) -> None:
@@ -36,11 +89,10 @@ class PartStats:
         self.parts: torch.Tensor | None = start
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([b.reshape(-1) for b in self.live])
+        return _flat(self.live)
 
     def _load(self, flat: torch.Tensor) -> None:
-        for b, value in zip(self.live, flat.split([b.numel() for b in self.live])):
-            b.copy_(value.view_as(b))
+        _load(self.live, flat)
 
     def use_own(self) -> None:
         """Before training on: a rank with one part gets its own set back in the model (it may hold the mean)."""
@@ -65,8 +117,7 @@ class PartStats:
 
     def average(self, steps: int) -> None:
         """The model's buffers become the mean over all parts of all ranks (one all-gather), and every
-        num_batches_tracked the `steps` trained, which each part counts once per step, at any world. In a default run
-        (one part per rank) that is `all_reduce(own) / world`; every set is gathered because checkpoints keep each."""
+        num_batches_tracked the `steps` trained, which each part counts once per step, at any world."""
         if not self.live:
             return
         if self.in_model:

@@ -194,6 +194,14 @@ class Dist:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (shaped alike on each), in rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        every = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(every, tensor)
+        return every
+
     def barrier(self) -> None:
         """Wait until every rank is here."""
         if self.world_size > 1:
