@@ -8,8 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mnist_ddp
+from mnist_ddp import extended
+from mnist_ddp.common.config import DataConfig, TrainConfig
+from mnist_ddp.core.distributed import Dist
+from mnist_ddp.data import datasets
+from mnist_ddp.outputs.report import Reporter
+from mnist_ddp.trainer import Trainer
 
 PACKAGE = Path(mnist_ddp.__file__).parent
 REPO = PACKAGE.parents[1]
@@ -34,6 +41,7 @@ def test_the_layers_hold() -> None:
     ("core/state.py", "from ..outputs import checkpoint"),  # the training state reaching for its save
     ("data/datasets.py", "from ..core import batches"),  # siblings: data never imports the DDP program
     ("common/errors.py", "from .. import model"),  # siblings at the bottom
+    ("trainer.py", "from .recovery import recovery"),  # the textbook loop reaching for an extension
 ])
 def test_an_import_against_the_layers_breaks_the_contract(tmp_path: Path, module: str, upward: str) -> None:
     """The contract can fail: one upward (or sideways) import in a copy of the package is reported, by name."""
@@ -63,3 +71,15 @@ def test_each_ddp_essential_is_written_once() -> None:
             assert {w.split(":")[0] for w in where} == {"batches"} and len(where) == 2, (call, where)
         else:
             assert len(where) == 1, (call, where)
+
+
+@pytest.mark.parametrize("flags", [{}, {"accumulate": 2}, {"bitwise": True}, {"profile": 2}, {"resume": True},
+                                   {"graph_step": "on"}])
+def test_a_default_cpu_run_trains_with_the_textbook_trainer(tmp_path: Path, flags: dict) -> None:
+    """What the README and docs/ddp-path.md promise a reader: with every flag at its default, a CPU run's loop is
+    trainer.Trainer itself, none of ExtendedTrainer's methods; each extension's flag builds ExtendedTrainer."""
+    data = datasets.load(DataConfig("synthetic", data_dir=tmp_path, train_samples=400, test_samples=100))
+    d = Dist(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"))  # no group needed
+    cfg = TrainConfig(out=str(tmp_path / "o"), **flags)
+    loop = extended.trainer_for(cfg, d, data, Reporter(tmp_path / "o", False, False, False, False))
+    assert type(loop) is (extended.ExtendedTrainer if flags else Trainer)

@@ -28,9 +28,10 @@ from .trainer import Stepped, Trainer
 
 def trainer_for(cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
                 recovery: Recovery | None = None) -> Trainer:
-    """The textbook `Trainer` where the run needs nothing more (a default run on a CPU), else `ExtendedTrainer`."""
+    """The textbook `Trainer` where the run needs nothing more, else `ExtendedTrainer`. Every flag named here is off
+    by default (TrainConfig), so a default run on a CPU trains with `Trainer`; on a GPU the graph step may apply."""
     extended = (recovery is not None or cfg.bitwise or bool(cfg.profile) or cfg.accumulate > 1 or cfg.resume
-                or d.device.type == "cuda" or cfg.graph_step == "on")
+                or cfg.graph_step == "on" or d.device.type == "cuda")
     return ExtendedTrainer(cfg, d, data, rank0, recovery) if extended else Trainer(cfg, d, data, rank0)
 
 
