@@ -29,7 +29,8 @@ from .trainer import Stepped, Trainer
 def trainer_for(cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
                 recovery: Recovery | None = None) -> Trainer:
     """The textbook `Trainer` where the run needs nothing more, else `ExtendedTrainer`. Every flag named here is off
-    by default (TrainConfig), so a default run on a CPU trains with `Trainer`; on a GPU the graph step may apply."""
+    by default (TrainConfig: no --recover, --bitwise, --profile, --resume; --accumulate 1; --graph-step auto), so a
+    default run on a CPU trains with `Trainer` (tests/test_structure.py); on a GPU the graph step may apply."""
     extended = (recovery is not None or cfg.bitwise or bool(cfg.profile) or cfg.accumulate > 1 or cfg.resume
                 or cfg.graph_step == "on" or d.device.type == "cuda")
     return ExtendedTrainer(cfg, d, data, rank0, recovery) if extended else Trainer(cfg, d, data, rank0)
@@ -46,19 +47,20 @@ class ExtendedTrainer(Trainer):
         self.graph: graphstep.GraphStep | None = None  # the CUDA graph step: `run` decides
         self.graph_loss = torch.zeros((), device=d.device)
         self.profiler = StepProfiler(cfg.profile, d, rank0, Path(cfg.out) / "profile")  # --profile (timeline.py)
-        # The run's global batch: M micro-batches of batch_size, M = world × --accumulate (a resume: the checkpoint's).
-        super().__init__(cfg, d, data, rank0, Share(slots=d.world_size * cfg.accumulate, world=d.world_size,
-                                                    whole=cfg.bitwise))
+        super().__init__(cfg, d, data, rank0)
         if recovery:  # --recover keeps a copy of the state at each step's start (snapshot.py)
             recovery.follow(self.t)
 
-    def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None:
-        """Deal the run's M slots over this world: this rank's batches (and test shard), its BatchNorm sets and the
-        gradients' reduction. Where each rank trains one whole slot (W = M, no --bitwise or --profile) the batches and
-        the step are the textbook's; else `StepBatches` and the slot step."""
+    def _deal(self, share: Share | None = None, saved_stats: torch.Tensor | None = None) -> None:
+        """Deal the run's M slots over this world (`share`; at the start, M = world × --accumulate): this rank's batches
+        (and test shard), its BatchNorm sets (`saved_stats`: a checkpoint's, a recovery's) and the gradients'
+        reduction. Where each rank trains one whole slot (W = M, no --bitwise or --profile) the batches and the step
+        are the textbook's; else `StepBatches` and the slot step."""
         cfg, r, d, train = self.cfg, self.cfg.recipe, self.d, self.data.train
+        share = share or Share(slots=d.world_size * cfg.accumulate, world=d.world_size, whole=cfg.bitwise)
         ddp.check_sync_bn(cfg.sync_bn, share)
-        super()._deal(share, saved_stats)
+        super()._deal()
+        self.share = share
         self.textbook = share.slots == share.world and not cfg.bitwise and not cfg.profile
         if not self.textbook:
             self.train_batches = StepBatches(train.images, train.labels, r.batch_size, share, rank=d.rank,

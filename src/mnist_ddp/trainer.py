@@ -44,11 +44,9 @@ class Stepped(NamedTuple):
 class Trainer:
     """One run, built once: the data's batches, the model, its optimizer; `run` trains it epoch by epoch.
 
-    `rank0` speaks and writes the metrics on rank 0 and is silent on the others (`Reporter.for_run`); `share`: how
-    the world shares each step's micro-batches, by default one each (ExtendedTrainer passes the run's)."""
+    `rank0` speaks and writes the metrics on rank 0 and is silent on the others (`Reporter.for_run`)."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
-                 share: Share | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter) -> None:
         self.cfg, self.d, self.data, self.rank0 = cfg, d, data, rank0
         self.amp = compute.amp_for(cfg.recipe.amp, d.device)
         self.channels_last = compute.channels_last_for(cfg.channels_last, d.device)
@@ -64,13 +62,13 @@ class Trainer:
         self.target_outcome: str | None = None  # --target-accuracy: "reached", "already" (before resuming), "missed"
         self.stretch = Stretch(torch.zeros((), device=d.device))  # what this rank adds up until the next fold
         self.clock = (-1, 0, 0.0)  # the epoch, its samples seen before and its start (across a recovery inside it)
-        self._deal(share or Share(slots=d.world_size, world=d.world_size))  # each rank one micro-batch of a step
+        self._deal()
 
-    def _deal(self, share: Share, saved_stats: torch.Tensor | None = None) -> None:
+    def _deal(self) -> None:
         """This rank's shard of every epoch (torch's DistributedSampler, `ShardedBatches`) and of the test set, and how
-        its BatchNorm statistics are averaged with the other ranks' (`saved_stats`: ExtendedTrainer's, a resume's)."""
+        its BatchNorm statistics are averaged with the other ranks'."""
         cfg, r, d, train, test = self.cfg, self.cfg.recipe, self.d, self.data.train, self.data.test
-        self.share = share
+        self.share = Share(slots=d.world_size, world=d.world_size)  # each rank one micro-batch of every step
         self.train_batches: Batches = ShardedBatches(train.images, train.labels, r.batch_size, rank=d.rank,
                                                      world=d.world_size, shuffle=True, seed=cfg.seed, **self.batch_form)
         self.test_batches = ShardedBatches(test.images, test.labels, cfg.eval_batch_size, rank=d.rank,

@@ -66,7 +66,7 @@ class Reformed:
 
 
 class Loop(Protocol):
-    """What a recovery reads and changes of the training loop (trainer.Trainer)."""
+    """What a recovery reads and changes of the training loop (extended.ExtendedTrainer)."""
 
     cfg: TrainConfig
     d: Dist
