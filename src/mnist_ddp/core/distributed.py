@@ -6,9 +6,8 @@ import gc
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -18,7 +17,8 @@ import torch.distributed as dist
 from ..common import errors, untrusted
 from ..common.errors import UserError
 from ..joining import membership, rendezvous
-from ..joining.heartbeat import BEAT_WAIT_S, BEATS_PREFIX, LOST_CONTACT, Heartbeat, beats_prefix
+from ..joining.admission import Admission
+from ..joining.heartbeat import Heartbeat
 from ..joining.identity import Identity
 from ..joining.membership import Credentials
 
@@ -40,7 +40,7 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
     (nccl for CUDA, gloo otherwise); `timeout_s` (--timeout, 180 s; torch's default is 30 minutes for gloo, 10 for
     nccl); gloo's and NCCL's socket set to the interface that reaches the master, unless the user set it; the store
     opened first (under -g hosted by node 0's launcher, not by rank 0) for the check-in and a heartbeat every
-    `heartbeat_s` (--heartbeat, 1 s). Any failure is one sentence that says who or what was missing (`_Joining`)."""
+    `heartbeat_s` (--heartbeat, 1 s). Any failure is one sentence that says who or what was missing (`Admission`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ident.world_size == 1:
@@ -56,18 +56,18 @@ def join(ident: Identity, device: torch.device, backend: str | None, timeout_s: 
     # else the launcher's rendezvous (identity.py). With init_method="env://" init_process_group would open the
     # TCPStore there itself; here it is opened first, so that each rank proves it is one of the job's
     # (membership.py) and starts its heartbeat before the group forms, then handed over.
-    with _Joining(ident, device, timeout) as joining:
+    with Admission(ident, device, timeout) as admission:
         # The TCPStore at the master's address and port; under -g its host is the launcher (`launch.spawn`'s
         # `rendezvous.host_store`) and every rank a client; under torchrun its agent's, under srun/mpirun rank 0's.
         store = rendezvous.joined_store(ident, timeout)
         # trust, heartbeat: skippable. Returns ident's rank and world and this store, unchanged but for a --recover
         # replacement, which is given its place in the running job
-        rank, world, store = joining.admit(store, creds or Credentials(), heartbeat_s)
+        rank, world, store = admission.admit(store, creds or Credentials(), heartbeat_s)
         # nccl: device_id makes the communicator now, on this rank's GPU.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return Dist(rank, ident.local_rank, world, ident.local_world_size, device, ident.run_id, joining.beat,
-                joining.entry)
+    return Dist(rank, ident.local_rank, world, ident.local_world_size, device, ident.run_id, admission.beat,
+                admission.entry)
 
 
 def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
@@ -88,70 +88,6 @@ def teardown(together: bool, leave_s: float = LEAVE_S) -> bool:
     closing.start()
     closing.join(leave_s)
     return not closing.is_alive()
-
-
-class _Joining:
-    """`join`'s extras, which a reader of the textbook can skip: the check-in that proves a rank is one of the job's,
-    the heartbeat, a replacement's place in a running job; and every failure of joining turned into one sentence."""
-
-    def __init__(self, ident: Identity, device: torch.device, timeout: timedelta) -> None:
-        self.ident, self.device, self.timeout = ident, device, timeout
-        self.deadline = time.monotonic() + timeout.total_seconds()
-        self.beat: Heartbeat | None = None
-        self.entry: membership.Entry | None = None
-
-    def admit(self, store: dist.Store, creds: Credentials, heartbeat_s: float) -> tuple[int, int, dist.Store]:
-        """Check in, start beating, wait for every rank; this rank's place: its rank, the world and the store to form
-        the group on (a replacement: the running job's generation)."""
-        ident = self.ident
-        self.entry = membership.check_in(store, ident, creds, self.deadline)
-        if heartbeat_s:  # once this rank is in (a stranger never beats under a rank's name)
-            beats = rendezvous.connect(ident, timedelta(seconds=BEAT_WAIT_S), joining=False)
-            self.beat = Heartbeat(dist.PrefixStore(BEATS_PREFIX, beats), ident.rank, ident.world_size, heartbeat_s,
-                                  store_host=0 if ident.store_host == "rank0" else None)
-        membership.wait_for_all(store, ident, creds, self.entry, self.deadline)
-        where = membership.placement(store, creds, self.entry)
-        if not where:
-            return ident.rank, ident.world_size, store
-        self.entry = replace(self.entry, placed=where)
-        if self.beat:
-            self.beat.stop("joined the running job's generation", culprit=False)
-            self.beat = Heartbeat(dist.PrefixStore(beats_prefix(where.generation), beats), where.rank,
-                                  len(where.members), heartbeat_s, store_host=None)
-        return where.rank, len(where.members), dist.PrefixStore(f"mnist_ddp/generation{where.generation}", store)
-
-    def __enter__(self) -> "_Joining":
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
-        beat, ident = self.beat, self.ident
-        if e is None:
-            if beat:
-                beat.set_phase("setting up (data, model, checkpoint)")
-            return
-        if not isinstance(e, RuntimeError | ValueError | OSError):  # interrupted: leave no thread talking to the store
-            if beat:
-                beat.stop("interrupted", culprit=False)
-            return
-        who = beat.diagnose() if beat else ""  # DistStoreError and DistNetworkError are RuntimeErrors
-        if beat:
-            beat.stop(LOST_CONTACT, culprit=False)
-        if "Duplicate GPU detected" in str(e):  # NCCL's own check, made when the communicator is (device_id)
-            raise UserError(_shared_gpu(ident, self.device)) from e
-        others = ident.world_size - 1
-        raise UserError(
-            f"rank {ident.rank} could not join the {others} other process{'es' if others > 1 else ''} at "
-            f"{ident.master_addr}:{ident.master_port} within {self.timeout.total_seconds():g} s "
-            f"({rendezvous.error_summary(e)}{f': {who}' if who else ''}); check that every node was started with the "
-            f"same --master-addr/--master-port and world size, and that they can reach each other (GLOO_SOCKET_IFNAME "
-            f"names the network interface gloo should use)."
-        ) from e
-
-
-def _shared_gpu(ident: Identity, device: torch.device | None) -> str:
-    return (f"rank {ident.rank} and another process of this job use the same GPU ({device}; NCCL: \"Duplicate GPU "
-            f"detected\"); give each process its own GPU (srun --gpus-per-task 1, or CUDA_VISIBLE_DEVICES set per "
-            f"process), or start at most as many processes per machine as it has GPUs.")
 
 
 # What gloo and NCCL say when the other end of a collective died, or did not answer within --timeout.
