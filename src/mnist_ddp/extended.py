@@ -157,11 +157,25 @@ class ExtendedTrainer(Trainer):
         super()._after_step()
         self.profiler.step(self.step_in_epoch, self.train_batches.steps_per_epoch)
 
-    def _fold(self) -> None:
-        """Under --recover the state this fold starts from is kept first."""
+    def _train_epoch(self, epoch: int, began: float) -> float:
+        """`Trainer._train_epoch`; --recover's tests may lose a rank after it (before the evaluation)."""
+        seconds = super()._train_epoch(epoch, began)
+        self._lose_here("evaluation")
+        return seconds
+
+    def _add_up(self) -> torch.Tensor:
+        """Under --recover the state this fold starts from is kept first; its tests may lose a rank once the ranks'
+        sums are in, before rank 0 writes the steps they hold."""
         if self.recovery:
             self.recovery.fold_begins(self)
-        super()._fold()
+        totals = super()._add_up()
+        self._lose_here("folded")
+        return totals
+
+    def _save(self, best: EvalResult | None = None) -> None:
+        """`Trainer._save`; --recover's tests may lose a rank before it."""
+        self._lose_here("save")
+        super()._save(best)
 
     def _resume(self) -> None:
         """Continue from `<out>/checkpoint.pt`, at any world size: the run's M slots are the checkpoint's."""

@@ -103,7 +103,6 @@ class Trainer:
         _, seen_before, start = self.clock
         self.train_batches.set_epoch(epoch, start=self.t.progress.consumed)  # essential 2: a new shuffle each epoch
         seconds = self._train_epoch(epoch, start)
-        self._lose_here("evaluation")
         result = evaluate(self.t.model, self.test_batches, self.d, self.amp)
         speed = (self.t.progress.seen - seen_before) / seconds if seconds > 0 else math.nan
         lr = self.t.opt.param_groups[0]["lr"]
@@ -112,7 +111,6 @@ class Trainer:
         self.rank0.epoch(record, result.confusion, self.data.classes, self.samples_done)  # a metrics.jsonl line
         best = max(self.t.progress.best_accuracy, result.accuracy)
         self.t.progress = Progress(epoch=epoch + 1, best_accuracy=best)
-        self._lose_here("save")
         self._save(best=result if result.accuracy >= best else None)
         return result
 
@@ -162,13 +160,9 @@ class Trainer:
             self.stats.use_own()  # as in `_train_epoch`: the rank's own statistics back after the fold's mean
 
     def _fold(self) -> None:
-        """Before every save and evaluation: average BatchNorm's statistics, and add every rank's loss sum, image
-        count, kept step losses and count of non-finite numbers, in one all-reduce; stop if the run diverged."""
-        s = self.stretch
-        self.stats.average(self.steps_done)
-        totals = self.d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=self.d.device),
-                                             nonfinite(self.t.model), *(loss for _, _, loss, _ in s.logged)]))
-        self._lose_here("folded")
+        """Before every save and evaluation: the ranks' sums added up (`_add_up`), the epoch's progress and the kept
+        step losses recorded; stop if the run diverged."""
+        s, totals = self.stretch, self._add_up()
         p, n = self.t.progress, len(self.data.train.labels)
         p.loss_sum += float(totals[0])
         p.seen += int(totals[1])
@@ -177,6 +171,14 @@ class Trainer:
         self.stretch = Stretch(torch.zeros((), device=self.d.device))
         divergence.check(math.isfinite(p.loss_sum) and not totals[2], self.t.scaler, p.epoch + 1, self.step_in_epoch,
                          self.t.opt.param_groups[0]["lr"], self.cfg.recipe.lr)
+
+    def _add_up(self) -> torch.Tensor:
+        """BatchNorm's statistics averaged over the ranks, and every rank's loss sum, image count, count of non-finite
+        numbers and kept step losses added up, in one all-reduce."""
+        s = self.stretch
+        self.stats.average(self.steps_done)
+        return self.d.all_sum(torch.stack([s.loss_sum.float(), torch.tensor(float(s.seen), device=self.d.device),
+                                           nonfinite(self.t.model), *(loss for _, _, loss, _ in s.logged)]))
 
     @timing.charged("outputs")
     def _save(self, best: EvalResult | None = None) -> None:
@@ -208,6 +210,3 @@ class Trainer:
 
     def _reached(self, accuracy: float) -> bool:
         return self.cfg.target_accuracy is not None and accuracy >= self.cfg.target_accuracy
-
-    def _lose_here(self, point: str) -> None:
-        """Where --recover's tests may lose a rank on purpose (ExtendedTrainer); nothing here."""

@@ -3,11 +3,11 @@ an exact point of the loop rather than at a moment in time.
 
 `LOSE_VAR` holds "R:S[:POINT][:SIGNAL][:launcher]" items, comma-separated: the process that was rank R of the first
 world sends SIGNAL (SIGKILL unless named) to itself, or to its launcher (the store's host, for node 0's ranks), at
-POINT once S optimizer steps of the run are done. The points (trainer.py, extended.py), in the order an epoch's end
-passes them: "fold" (the fold after step S begins: after an epoch's last step), "folded" (its all-reduce done, before
-rank 0 writes the steps it added up), "evaluation", "save" (rank 0's checkpoint and best.pt), "saved" (before the
-all-reduce that ends an epoch under --recover), and "step" (where step S + 1 begins: the default; after an epoch's
-last step, the next epoch's first).
+POINT once S optimizer steps of the run are done. The points (extended.py), in the order an epoch's end passes them:
+"fold" (the fold after step S begins: after an epoch's last step), "folded" (its all-reduce done, before rank 0
+writes the steps it added up), "evaluation", "save" (before rank 0's checkpoint and best.pt; with --checkpoint-every,
+before each of its saves too), "saved" (before the all-reduce that ends an epoch under --recover), and "step" (where
+step S + 1 begins: the default; after an epoch's last step, the next epoch's first).
 """
 
 import multiprocessing
