@@ -14,7 +14,7 @@ from .batches import Share
 from .distributed import Dist
 
 # Each rank trains with its own BatchNorm statistics, averaged over the ranks before each evaluation and save
-# (bnstats.RankStats; in the loop: `Trainer._fold`'s `stats.average`, then `stats.use_own` before training goes on),
+# (bnstats.RankStats; in the loop: `Trainer._add_up`'s `stats.average`, then `stats.use_own` before training goes on),
 # instead of DDP re-sending rank 0's before every forward, a collective as slow as the gradient all-reduce here.
 # torch 2.13's `forward_sync_buffers` replaces `broadcast_buffers`; unlike the old switch it still copies rank 0's
 # buffers once, at the wrap, which changes nothing here (every rank starts alike).
