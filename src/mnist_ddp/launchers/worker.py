@@ -78,13 +78,13 @@ def train(cfg: TrainConfig, d: Dist, rec: recovery.Recovery | None = None) -> fl
     timing.enter("warm-up")  # the model, its optimizer, the first step
     cfg = replace(cfg, data=replace(cfg.data, dataset=data.name))  # `auto` resolved, as checkpoints record it
     rank0.say(summary.data_line(data))
-    trainer = extended.trainer_for(cfg, d, data, rank0, rec)  # the textbook Trainer, unless the run needs more
+    loop = extended.trainer_for(cfg, d, data, rank0, rec)  # the textbook Trainer, unless the run needs more
     try:
-        result = trainer.run()
-        trainer.rank0.say(summary.final_line(cfg, trainer.d, trainer.t.progress, trainer.target_outcome, result))
-    finally:  # trainer.rank0: the one speaking at the end (--recover may have handed it on)
-        trainer.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
-    trainer.rank0.wall_time(timing.finish())
+        result = loop.run()
+        loop.rank0.say(summary.final_line(cfg, loop.d, loop.t.progress, loop.target_outcome, result))
+    finally:  # loop.rank0: the one speaking at the end (--recover may have handed it on)
+        loop.rank0.close(sys.exc_info()[0])  # the last epoch's plots, after the result is said
+    loop.rank0.wall_time(timing.finish())
     return result.accuracy
 
 
