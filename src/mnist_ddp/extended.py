@@ -41,6 +41,7 @@ class ExtendedTrainer(Trainer):
     whose step may be the slot step or the CUDA graph's."""
 
     stats: PartStats  # BatchNorm's statistics, a set per part of the step
+
     def __init__(self, cfg: TrainConfig, d: Dist, data: datasets.Dataset, rank0: Reporter,
                  recovery: Recovery | None = None) -> None:
         self.recovery = recovery
