@@ -349,7 +349,7 @@ CPU_TENSOR_EDITS = [
     ("evaluation", "totals = torch.zeros(1 + 100, device=d.device)", "totals = torch.zeros(1 + 100)"),
     ("bnstats", "torch.cat([b.reshape(-1) for b in buffers])", "torch.cat([b.reshape(-1).cpu() for b in buffers])"),
     ("bnstats", "self.d.all_gather(own)", "self.d.all_gather(own.cpu())"),
-    ("bnstats", "self.share, self._flat())", "self.share, self._flat().cpu())"),
+    ("bnstats", "self.share, _flat(self.live))", "self.share, _flat(self.live).cpu())"),
     ("worker", "torch.tensor(ident.attempt, device=d.device)", "torch.tensor(ident.attempt)"),
 ]
 

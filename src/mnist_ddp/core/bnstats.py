@@ -85,24 +85,18 @@ class PartStats:
         # num_batches_tracked counts a module's training forwards: K a step on a rank training K parts.
         self.counts = [b for b in model.buffers() if not b.is_floating_point()]
         start = saved if saved is not None and len(saved) == share.parts else None  # else: from the saved mean
-        self.sets = {p: self._flat() if start is None else self._flat().copy_(start[p]) for p in self.mine}
+        self.sets = {p: _flat(self.live) if start is None else _flat(self.live).copy_(start[p]) for p in self.mine}
         self.parts: torch.Tensor | None = start
-
-    def _flat(self) -> torch.Tensor:
-        return _flat(self.live)
-
-    def _load(self, flat: torch.Tensor) -> None:
-        _load(self.live, flat)
 
     def use_own(self) -> None:
         """Before training on: a rank with one part gets its own set back in the model (it may hold the mean)."""
         if self.in_model and self.live:
-            self._load(self.sets[self.mine[0]])
+            _load(self.live, self.sets[self.mine[0]])
 
     def held(self) -> dict[int, torch.Tensor]:
         """This rank's set of each of its parts, up to date (recovery hands them to the new world)."""
         if self.in_model and self.live:
-            self.sets[self.mine[0]] = self._flat()
+            self.sets[self.mine[0]] = _flat(self.live)
         return self.sets
 
     @contextmanager
@@ -111,9 +105,9 @@ class PartStats:
         if part is None or self.in_model:
             yield
             return
-        self._load(self.sets[part])
+        _load(self.live, self.sets[part])
         yield
-        self.sets[part] = self._flat()
+        self.sets[part] = _flat(self.live)
 
     def average(self, steps: int) -> None:
         """The model's buffers become the mean over all parts of all ranks (one all-gather), and every
@@ -121,9 +115,9 @@ class PartStats:
         if not self.live:
             return
         if self.in_model:
-            self.sets[self.mine[0]] = self._flat()
-        every = all_parts([self.sets[p] for p in self.mine], self.share, self._flat())
-        self._load(ordered_sum(every).div_(self.share.parts))
+            self.sets[self.mine[0]] = _flat(self.live)
+        every = all_parts([self.sets[p] for p in self.mine], self.share, _flat(self.live))
+        _load(self.live, ordered_sum(every).div_(self.share.parts))
         for count in self.counts:
             count.fill_(steps)
         self.parts = torch.stack(every)
