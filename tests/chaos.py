@@ -402,7 +402,7 @@ class Campaign:
     # -- the undisturbed runs, once per settings, cached across campaigns (keyed by the source's digest) --
 
     def ref(self, world: World) -> Ref:
-        key = f"{world.size} recover={world.recover} bitwise={world.bitwise}"
+        key = self._key(world)
         if key not in self.refs:
             calm = replace(world, nodes=1, gpus=world.size)
             with self._place(Trial(0, -1, calm, ()), "reference") as (folder, out, env, names):
@@ -419,6 +419,15 @@ class Campaign:
             self.refs[key] = vars(Ref(progress, record, steps, digest, first - began, ended - first))
             self.refs_file.write_text(json.dumps(self.refs, indent=1))
         return Ref(**self.refs[key])
+
+    def retime(self, world: World) -> None:
+        """Forget `world`'s undisturbed run, so that the next trial runs it again: its times, taken while the machine
+        was busier or quieter than now, place each fault in a trial's training."""
+        self.refs.pop(self._key(world), None)
+
+    @staticmethod
+    def _key(world: World) -> str:
+        return f"{world.size} recover={world.recover} bitwise={world.bitwise}"
 
     @contextmanager
     def _place(self, trial: Trial, name: str) -> Iterator[tuple[Path, Path, dict[str, str], tuple[str, ...]]]:

@@ -1,8 +1,9 @@
 """A fixed sample of the fault campaign (tests/chaos.py, `make chaos`), so that CI runs each kind of fault at least
 once: a worker killed, frozen a while and interrupted as it starts; Ctrl-C and a damaged checkpoint before the
 resume; a full disk; the store's host stopped; on two machines (network namespaces) a node's launcher killed and
-the cable cut a while. Each must keep its contract, land while the run trains, and end as its case says; and the
-judge is fed made-up broken jobs and must call each broken."""
+the cable cut a while. Each must keep its contract, land while the run trains (a fault that came after the run's
+end is tried once more, its timing measured again), and end as its case says; and the judge is fed made-up broken
+jobs and must call each broken."""
 
 import json
 import os
@@ -52,6 +53,10 @@ def campaign(tmp_path_factory: pytest.TempPathFactory) -> chaos.Campaign:
 def test_a_trial_keeps_its_contract(campaign: chaos.Campaign, name: str) -> None:
     trial, finishes = TRIALS[name]
     result = campaign.run(trial)
+    if result.outcome == "ok" and trial.faults[0].kind in result.missed:  # once: the undisturbed run timed again
+        print(f"{trial} -> {result.story}; the undisturbed run's times are stale, trying once more")
+        campaign.retime(trial.world)
+        result = campaign.run(trial)
     print(f"{trial} -> {result.story}")
     assert result.outcome == "ok", f"{trial}: {result.story}"
     # the fault must land while the run trains (or starts): a Ctrl-C after the last save would find nothing to stop
