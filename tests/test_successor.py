@@ -142,6 +142,7 @@ def test_a_retired_standby_leaves_no_successor_to_a_rank_that_wakes_late() -> No
     assert rendezvous.reached(*where, 5.0) is True
     standby.retire()
     assert rendezvous.reached(*where, 5.0) is False
+    standby.retire()  # a child finishing the run seen by a second wait: nothing left to do
     standby.close()  # what the launcher's `finally` then calls: nothing left to do
 
 

@@ -80,9 +80,9 @@ class Standby:
     def retire(self) -> None:
         """The run has finished (a rank of this node ended it): close the store's port, so that a rank presumed lost
         that wakes now finds no successor to go on at, and stops, rather than re-form alone and write over the run's
-        outputs from where it froze."""
+        outputs from where it froze. Once is enough; a second call does nothing."""
         self.close()
-        del self.store  # the TCPStore's server listens for as long as the object lives
+        self.__dict__.pop("store", None)  # the TCPStore's server listens for as long as the object lives
 
 
 class Succession:
