@@ -18,12 +18,14 @@ import torch
 
 from conftest import cli_env, run_cli
 from datafiles import ONE_THREAD, make_splits, md5s, source_for, write_files
+from mnist_ddp import cli
 from mnist_ddp.common.config import DataConfig
 from mnist_ddp.common.errors import UserError
 from mnist_ddp.data import datasets
-from mnist_ddp.data.download import DownloadError, fetch
+from mnist_ddp.data.download import LEAST_RATE, DownloadError, fetch
 
 HOLD_S = 120  # the longest the server holds a download: a hang guard, not a timing assertion
+DRIP_S = 0.1  # a dripping server's pause between bytes
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Server:
     files: dict[str, bytes] = field(default_factory=dict)
     short: set[str] = field(default_factory=set)  # Content-Length says more than the body holds
     stall: set[str] = field(default_factory=set)  # answers only when the test ends
+    drip: dict[str, str] = field(default_factory=dict)  # name → "headers" or "body": sent a byte every DRIP_S
     # The first request is answered only once this says so (or another request arrives): see `hold_first`.
     hold_first_until: Callable[[], bool] | None = None
     hits: collections.Counter = field(default_factory=collections.Counter)
@@ -67,6 +70,16 @@ def server() -> Iterator[Server]:
             body = state.files.get(name) if folder == "/mnist" else None
             if body is None:
                 self.send_error(404)
+                return
+            if name in state.drip:
+                head = f"HTTP/1.0 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                if state.drip[name] == "body":
+                    self.wfile.write(head)
+                for byte in (head if state.drip[name] == "headers" else b"") + body:
+                    if state.released.wait(DRIP_S):
+                        return
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
                 return
             self.send_response(200)
             self.send_header("Content-Length", str(len(body) + (1000 if name in state.short else 0)))
@@ -174,6 +187,25 @@ def test_fetch_failures_are_clear_and_atomic(tmp_path: Path, server: Server, mis
         fetch(server.url + "f.gz", dest, "0" * 32, timeout=0.5 if misbehaviour == "stalled" else 30)
     assert str(e.value).startswith(server.url + "f.gz: ")
     assert list(tmp_path.iterdir()) == []  # neither the file nor a partial one
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_mirror_that_drips_its_answer_is_left_in_one_sentence(tmp_path: Path, server: Server, part: str) -> None:
+    """A byte every DRIP_S never lets a read time out; once twice --download-timeout has passed the answer must keep
+    up LEAST_RATE, headers included, or the download is left. The drip is short: without the rule the download would
+    end in a few seconds with the MD5's complaint instead."""
+    server.files, server.drip = {"f.gz": b"x" * 40}, {"f.gz": part}
+    dest = tmp_path / "f.gz"
+    with pytest.raises(DownloadError, match=r": sent \d+ bytes in [0-9.]+ s, slower than 16 KiB/s once "
+                                            r"twice --download-timeout 0.5 s had passed$"):
+        fetch(server.url + "f.gz", dest, "0" * 32, timeout=0.5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_help_says_the_rate_a_download_must_keep(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert f"must keep up {LEAST_RATE >> 10} KiB/s" in " ".join(capsys.readouterr().out.split())
 
 
 def test_fetch_keeps_the_old_file_on_failure(tmp_path: Path, server: Server) -> None:

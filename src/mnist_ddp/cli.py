@@ -86,7 +86,8 @@ def _data_args(p: argparse.ArgumentParser, dataset: str | None, dataset_help: st
                    help="download from this base URL instead of the standard mirrors (default: those; "
                    "repeatable)")
     g.add_argument("--download-timeout", type=float, default=default(DataConfig, "download_timeout"),
-                   help="seconds per request (default: %(default)s)")
+                   help="seconds each read of a download may wait; past twice that it must keep up 16 KiB/s "
+                        "(default: %(default)s)")
     g.add_argument("--train-samples", type=int, help="use only the first N training images (default: all)")
     g.add_argument("--test-samples", type=int, help="use only the first N test images (default: all)")
 
