@@ -8,6 +8,7 @@ import ast
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ import pytest
 from conftest import cli_env, metrics, run_cli, tiny
 from datafiles import ONE_THREAD
 from mnist_ddp import cli
+from mnist_ddp.common.config import TrainConfig
+from mnist_ddp.common.errors import UserError
+from mnist_ddp.launchers import launch
 from mnist_ddp.outputs import tracking
 from test_stops import DIVERGING
 
@@ -109,6 +113,32 @@ def test_a_store_mlflow_cannot_open_is_one_sentence_exit_2(tmp_path: Path, capsy
     assert err.count("\n") == 1 and err.startswith(f"mnist-ddp: error: --mlflow {uri}: the MLflow run could not be "
                                                     f"opened ("), err
     assert not (out / "metrics.jsonl").exists() and blocker.read_text() == "not a folder"
+
+
+def test_a_tracking_server_that_is_not_there_is_one_sentence_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing listens at an http URI's port: refused before any process starts, where rank 0 will run (MLflow's own
+    client would retry for minutes first). The controls: a port that accepts passes, another node's launcher does
+    not look, and a URI with no host, a bad port or an escape sequence is refused in words."""
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        tracking.check_reachable(f"http://127.0.0.1:{port}/")
+    uri = f"http://127.0.0.1:{port}"  # closed now
+    assert cli.main(["train", *tiny(), "--out", str(tmp_path / "run"), "--mlflow", uri]) == 2
+    assert capsys.readouterr().err == (f"mnist-ddp: error: --mlflow {uri}: nothing accepts a connection at "
+                                       f"127.0.0.1:{port} (Connection refused); start the tracking server, or leave "
+                                       f"--mlflow out, and run again.\n")
+    assert not (tmp_path / "run").exists()
+    # Only where rank 0 runs: a server on node 0's loopback is not on node 1's, which logs nothing.
+    launch.preflight(TrainConfig(mlflow=uri), rank0_here=False)
+    with pytest.raises(UserError, match="nothing accepts a connection"):
+        launch.preflight(TrainConfig(mlflow=uri), rank0_here=True)
+    for bad, says in (("http://127.0.0.1:99999", "not a URI"), ("http://:5000", "names no host"),
+                      ("http://127.0.0.1:5\x1b[31m", r"5\\x1b\[31m: not a URI \("),
+                      ("http://a\x1bb:5000", r"at a\\x1bb:5000")):
+        with pytest.raises(UserError, match=says) as refused:
+            tracking.check_reachable(bad)
+        assert "\x1b" not in str(refused.value)  # an escape sequence is written out, never sent to the terminal
 
 
 def test_a_bare_flag_logs_where_mlflow_itself_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

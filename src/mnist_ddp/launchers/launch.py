@@ -47,8 +47,9 @@ SETTLE_S = 1.0  # after one child failed, how long the others get to end by them
 LOOK_S = 1.0  # how often a waiting launcher looks whether its children are stopped (Frozen)
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Checks that need this machine, done once before any process starts."""
+def preflight(cfg: TrainConfig, rank0_here: bool = True) -> None:
+    """Checks that need this machine, done once before any process starts; `rank0_here`: this node (or process) is
+    where rank 0 will run."""
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda and cfg.gpus > torch.cuda.device_count() and cfg.backend != "gloo":
         raise UserError(f"-g/--gpus {cfg.gpus} asks for more GPUs than the {torch.cuda.device_count()} visible here "
@@ -67,6 +68,8 @@ def preflight(cfg: TrainConfig) -> None:
         tb.check_installed()
     if cfg.mlflow is not None:
         tracking.check_installed(cfg.mlflow)
+        if rank0_here:  # the one process that logs to it (a server on node 0's loopback is not on the others')
+            tracking.check_reachable(cfg.mlflow)
 
 
 PROCESSES_PER_CORE = 4  # -g on a CPU: worker processes; more than this many a core only wait for each other
@@ -306,7 +309,7 @@ def launch(cfg: TrainConfig, began: float | None = None) -> int:
     """Run training the way this process was started; returns the exit code. `began`: when the command started
     (`time.time()`; default: this process's start)."""
     ident = identity.from_env(os.environ)
-    preflight(cfg)
+    preflight(cfg, rank0_here=ident.rank == 0 if ident is not None else cfg.node_rank == 0)
     if ident is not None:
         if (cfg.nodes, cfg.gpus, cfg.node_rank) != (1, 1, 0):
             raise UserError(f"{ident.launcher} already started {ident.world_size} processes; "

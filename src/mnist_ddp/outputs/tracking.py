@@ -12,7 +12,9 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,30 @@ def default_uri(env: Mapping[str, str]) -> str:
 def check_installed(uri: str) -> None:
     """Refuse --mlflow at once, before any process starts, without the packages its store needs."""
     extras.require("--mlflow", ("mlflow", "sqlalchemy") if uri.startswith("sqlite:") else ("mlflow",), "mlflow")
+
+
+REACH_S = 10.0  # how long a tracking server may take to accept a connection
+
+
+def check_reachable(uri: str) -> None:
+    """Refuse an http(s) --mlflow URI at once, before any process starts, where nothing accepts a connection at its
+    host and port: MLflow itself would retry for minutes before it said so."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number 0-65535, an unclosed [IPv6 address]
+        raise UserError(f"--mlflow {untrusted.printable(uri)}: not a URI ({untrusted.printable(str(e))}).") from None
+    if not host:
+        raise UserError(f"--mlflow {untrusted.printable(uri)}: names no host.")
+    try:
+        socket.create_connection((host, port), timeout=REACH_S).close()
+    except OSError as e:
+        why = f"no answer within {REACH_S:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise UserError(f"--mlflow {untrusted.printable(uri)}: nothing accepts a connection at "
+                        f"{untrusted.printable(f'{host}:{port}')} ({why}); "
+                        f"start the tracking server, or leave --mlflow out, and run again.") from None
 
 
 @dataclass(frozen=True)
