@@ -135,7 +135,7 @@ def test_a_tracking_server_that_is_not_there_is_one_sentence_before_anything_sta
         launch.preflight(TrainConfig(mlflow=uri), rank0_here=True)
     for bad, says in (("http://127.0.0.1:99999", "not a URI"), ("http://:5000", "names no host"),
                       ("http://127.0.0.1:5\x1b[31m", r"5\\x1b\[31m: not a URI \("),
-                      ("http://a\x1bb:5000", r"at a\\x1bb:5000")):
+                      ("http://a\x1bb:5000", r"at a\\x1bb:5000"), (f"http://{'a' * 64}:5000", r"label too long")):
         with pytest.raises(UserError, match=says) as refused:
             tracking.check_reachable(bad)
         assert "\x1b" not in str(refused.value)  # an escape sequence is written out, never sent to the terminal

@@ -55,10 +55,11 @@ def check_reachable(uri: str) -> None:
         raise UserError(f"--mlflow {untrusted.printable(uri)}: names no host.")
     try:
         socket.create_connection((host, port), timeout=REACH_S).close()
-    except OSError as e:
-        why = f"no answer within {REACH_S:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+    except (OSError, UnicodeError) as e:  # UnicodeError: a host name IDNA cannot encode (a label over 63 letters)
+        why = f"no answer within {REACH_S:g} s" if isinstance(e, TimeoutError) else \
+            (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
         raise UserError(f"--mlflow {untrusted.printable(uri)}: nothing accepts a connection at "
-                        f"{untrusted.printable(f'{host}:{port}')} ({why}); "
+                        f"{untrusted.printable(f'{host}:{port}')} ({untrusted.printable(why)}); "
                         f"start the tracking server, or leave --mlflow out, and run again.") from None
 
 
